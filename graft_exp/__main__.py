@@ -1,0 +1,48 @@
+"""``python -m graft_exp``: compose pair x method x seed, validate, track, train."""
+
+from __future__ import annotations
+
+import logging
+import hydra
+from omegaconf import DictConfig
+
+from graft_exp import tracking
+from graft_exp.backends import get_trainer
+from graft_exp.config import ConfigError, register_schemas, validate
+
+log = logging.getLogger("graft_exp")
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        # A bad override stops the whole sweep before any training, with one clear line.
+        log.error("invalid configuration: %s", err)
+        raise SystemExit(2) from err
+    try:
+        job = tracking.open_job(cfg)
+    except tracking.TrackingError as err:
+        log.error("%s", err)
+        raise SystemExit(2) from err
+    if job is None:
+        log.info("skip %s/%s seed %s: a FINISHED run with graft.run_key=%s exists (rerun=true forces)",
+                 cfg.pair.name, cfg.method.name, cfg.seed, tracking.run_key(cfg))
+        return
+    if job.resumed:
+        log.info("resuming MLflow run %s (graft.run_key=%s)", job.run_id, tracking.run_key(cfg))
+    try:
+        get_trainer(cfg.backend.name)(cfg, job)
+    except KeyboardInterrupt:
+        job.finish("KILLED")
+        raise
+    except Exception:
+        job.finish("FAILED")
+        raise
+    job.finish("FINISHED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Which prompts exchange groups: GRAFT's complementary, balanced selection (§3.1, Alg. 1) and the
+selection rules of the baselines and ablations (SGT, count-matched random prompts, DAPO filter).
+
+Conventions: ``k_a``/``k_b`` are integer success counts per prompt, shape [P], values in [0, n].
+A direction mask ``a_to_b[q]`` means that on prompt q the receiver B trains on A's group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._checks import check_binary, check_finite, check_group_size, check_ndim, check_success_counts
+
+
+def _check_pair(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> None:
+    check_group_size(n)
+    check_success_counts("k_a", k_a, n)
+    check_success_counts("k_b", k_b, n)
+    if k_a.shape != k_b.shape:
+        raise ValueError(f"k_a has shape {tuple(k_a.shape)} but k_b has {tuple(k_b.shape)}; one count per prompt each")
+
+
+def complementary_candidates(k_source: torch.Tensor, k_receiver: torch.Tensor, n: int) -> torch.Tensor:
+    """C_{S->R} of eq. (3): the receiver failed all n rollouts and the source has 1 <= k < n."""
+    _check_pair(k_source, k_receiver, n)
+    return (k_receiver == 0) & (k_source >= 1) & (k_source < n)
+
+
+def select_with_ties(candidates: torch.Tensor, k_src: torch.Tensor, m: int) -> torch.Tensor:
+    """SelectWithTies of Alg. 1: rank candidates by ``k_src`` descending, keep the first m and every
+    candidate tied with the m-th. Returns a bool mask over prompts; empty when m = 0, all candidates
+    when m >= their number. The kept count may exceed m.
+    """
+    check_ndim("candidates", candidates, 1)
+    check_ndim("k_src", k_src, 1)
+    if candidates.dtype != torch.bool:
+        raise ValueError(f"candidates must be a bool mask, got dtype {candidates.dtype}")
+    if candidates.shape != k_src.shape:
+        raise ValueError(f"candidates has shape {tuple(candidates.shape)} but k_src has {tuple(k_src.shape)}")
+    if not isinstance(m, int) or m < 0:
+        raise ValueError(f"m must be a non-negative int, got {m!r}")
+    num_candidates = int(candidates.sum())
+    if m == 0 or num_candidates == 0:
+        return torch.zeros_like(candidates)
+    if m >= num_candidates:
+        return candidates.clone()
+    ranked = torch.sort(k_src[candidates], descending=True).values
+    boundary = ranked[m - 1]
+    return candidates & (k_src >= boundary)
+
+
+def balanced_exchange(
+    k_a: torch.Tensor, k_b: torch.Tensor, n: int, balance: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRAFT's *which* (§3.1): returns ``(a_to_b, b_to_a)`` bool masks over prompts.
+
+    Candidates follow eq. (3) in each direction. With ``balance``, m = min(|C_{A->B}|, |C_{B->A}|)
+    and each direction keeps ``select_with_ties(C, k_source, m)``; without it (``graft_no_balance``,
+    "SGT + GRAFT how"), every candidate is kept.
+    """
+    a_to_b = complementary_candidates(k_a, k_b, n)
+    b_to_a = complementary_candidates(k_b, k_a, n)
+    if not balance:
+        return a_to_b, b_to_a
+    m = min(int(a_to_b.sum()), int(b_to_a.sum()))
+    return select_with_ties(a_to_b, k_a, m), select_with_ties(b_to_a, k_b, m)
+
+
+def sgt_rescue_prompts(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGT's selection (App. B): the receiver has no success and the peer at least one (k = n included),
+    both directions, no balancing. Returns ``(a_to_b, b_to_a)``."""
+    _check_pair(k_a, k_b, n)
+    return (k_b == 0) & (k_a >= 1), (k_a == 0) & (k_b >= 1)
+
+
+def unbalanced_exchange(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (3) candidates in both directions without balancing (``graft_no_balance``)."""
+    return balanced_exchange(k_a, k_b, n, balance=False)
+
+
+#: Exchange rules by name, each ``(k_a, k_b, n) -> (a_to_b, b_to_a)``. ``balanced`` is GRAFT (also used
+#: by ``sgt_which`` and ``hacpo_which``), ``unbalanced`` is ``graft_no_balance``, ``sgt`` is SGT's rule.
+EXCHANGE_RULES: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {
+    "balanced": balanced_exchange,
+    "unbalanced": unbalanced_exchange,
+    "sgt": sgt_rescue_prompts,
+}
+
+
+def random_prompts_like(selected: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Count-matched random prompts (App. G): as many prompts as ``selected`` holds, drawn uniformly
+    without replacement from the whole batch, irrespective of rewards."""
+    check_ndim("selected", selected, 1)
+    if selected.dtype != torch.bool:
+        raise ValueError(f"selected must be a bool mask, got dtype {selected.dtype}")
+    order = torch.randperm(selected.numel(), generator=generator, device=generator.device)
+    chosen = torch.zeros(selected.numel(), dtype=torch.bool, device=generator.device)
+    chosen[order[: int(selected.sum())]] = True
+    return chosen.to(selected.device)
+
+
+def count_matched_random_exchange(
+    a_to_b: torch.Tensor, b_to_a: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``graft_random_prompts``: replace each direction's GRAFT selection by the same number of prompts
+    drawn uniformly from the batch. The two directions are drawn independently (A->B first), so a prompt
+    may be drawn in both; the paper samples "irrespective of either model's rewards"."""
+    if a_to_b.shape != b_to_a.shape:
+        raise ValueError(f"a_to_b has shape {tuple(a_to_b.shape)} but b_to_a has {tuple(b_to_a.shape)}")
+    return random_prompts_like(a_to_b, generator), random_prompts_like(b_to_a, generator)
+
+
+def draw_one_correct_response(
+    rewards: torch.Tensor, selected: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """SGT: for each selected prompt, the index of one correct response drawn uniformly from the source
+    group ``rewards`` [P, n] (binary); -1 for prompts not selected. A selected prompt without a correct
+    response is an error (the selection rule guarantees one)."""
+    check_ndim("rewards", rewards, 2)
+    check_finite("rewards", rewards)
+    check_binary("rewards", rewards)
+    check_ndim("selected", selected, 1)
+    if selected.shape[0] != rewards.shape[0]:
+        raise ValueError(f"selected has {selected.shape[0]} prompts but rewards has {rewards.shape[0]}")
+    correct = rewards == 1
+    if bool((selected & ~correct.any(dim=1)).any()):
+        raise ValueError("a selected prompt has no correct response to draw; select only prompts with k >= 1")
+    # Uniform draw among correct entries: argmax of i.i.d. uniforms restricted to them.
+    keys = torch.rand(rewards.shape, generator=generator, device=generator.device).to(rewards.device)
+    keys = torch.where(correct, keys, torch.full_like(keys, -1.0))
+    index = keys.argmax(dim=1)
+    return torch.where(selected, index, torch.full_like(index, -1))
+
+
+def dynamic_sampling_group_mask(rewards: torch.Tensor) -> torch.Tensor:
+    """DAPO dynamic sampling: True for groups with nonzero reward variance (0 < k < n for binary
+    rewards). ``rewards`` is [P, n]."""
+    check_ndim("rewards", rewards, 2)
+    check_group_size(rewards.shape[1])
+    check_finite("rewards", rewards)
+    return ~(rewards == rewards[:, :1]).all(dim=1)
+
+
+def dynamic_sampling_batch_full(num_kept_groups: int, batch_size: int) -> bool:
+    """DAPO dynamic sampling: the accumulated kept groups fill the batch (the trainer then keeps the
+    first ``batch_size`` of them and stops sampling more prompt batches)."""
+    if batch_size <= 0 or num_kept_groups < 0:
+        raise ValueError(f"need batch_size > 0 and num_kept_groups >= 0, got {batch_size}, {num_kept_groups}")
+    return num_kept_groups >= batch_size

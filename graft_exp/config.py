@@ -1,0 +1,151 @@
+"""Typed schema of the method group and the validation every job runs before it starts.
+
+The method schema is registered in Hydra's ConfigStore as ``method/schema``; every
+``conf/method/*.yaml`` extends it (directly or through ``graft``), so a misspelt key in a
+method file or on the command line fails at composition. ``validate`` then checks the values
+and the combination (pair x method x backend) and raises ``ConfigError`` naming the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+from omegaconf.errors import InterpolationResolutionError
+
+SELECTIONS = ("none", "balanced", "complementary", "rescue", "random_prompts", "all")
+PEER_LOSSES = ("none", "graft", "luffy", "nll", "hacpo")
+ADMISSIONS = ("gate", "random")
+RATIOS = ("token", "sequence")
+PEER_POSITIONS = ("last", "first", "uniform")
+ADVANTAGES = ("source", "pooled")
+PEER_RESPONSES = ("all", "success")
+SOURCES = ("online", "stored")
+BACKENDS = ("local", "verl")
+
+
+class ConfigError(ValueError):
+    """A composed configuration that cannot run; the message says what to change."""
+
+
+@dataclass
+class HacpoConfig:
+    """HACPO's released configuration (paper App. B; official code recipe/hacpo)."""
+
+    self_clip_low: float = 3e-4
+    self_clip_high: float = 4e-4
+    peer_clip_init: float = 0.8      # L_m = min(1, init + step * m)
+    peer_clip_step: float = 0.025
+    peer_loss_coef: float = 1.0
+    kl_coef: float = 1e-3
+    minibatch_prompts: int = 64
+
+
+@dataclass
+class MethodConfig:
+    """One training method: GRPO baselines, GRAFT, its Appendix-G variants, HACPO, SGT, LUFFY.
+
+    Defaults are full GRAFT with the paper's settings; each conf/method file changes only the
+    components its variant changes.
+    """
+
+    name: str = MISSING               # the conf/method file name, e.g. graft_no_gate
+    n: int = 8                        # rollouts per prompt per model
+    co_train: bool = True             # two models trained together (False: each alone, GRPO)
+    source: str = "online"            # online peer | stored: replay the peer's GRPO n=8 log
+    selection: str = "balanced"       # which prompts transfer (eq. 3 + balanced exchange)
+    peer_loss: str = "graft"          # how the receiver learns from peer responses
+    gate: bool = True                 # compatibility weighting w = 1[s>delta] min(s,1) (eq. 9)
+    delta: float = 0.8                # compatibility floor; 0 = no floor
+    admission: str = "gate"           # gate | random (count-matched random admission)
+    ratio: str = "token"              # token-level ratio (eq. 7) | sequence-level (ablation)
+    peer_position: str = "last"       # minibatches containing peer groups: last | first | uniform
+    advantages: str = "source"        # source-computed | pooled over receiver + peer group
+    peer_responses: str = "all"       # all | success (success-only transfer)
+    dynamic_sampling: bool = False    # DAPO: drop zero-variance groups, refill the batch
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    adv_eps: float = 1e-6
+    sgt_lambda: float = 0.1           # SGT's NLL coefficient
+    luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
+    hacpo: HacpoConfig = field(default_factory=HacpoConfig)
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(group="method", name="schema", node=MethodConfig)
+
+
+def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check one composed job config; raise ConfigError with the override that fixes it."""
+    try:
+        uri = cfg.tracking.uri
+    except InterpolationResolutionError as err:
+        raise ConfigError(f"tracking={cfg.tracking._name} needs MLFLOW_TRACKING_URI, e.g. "
+                          "export MLFLOW_TRACKING_URI=http://host:5000 (or use tracking=sqlite)") from err
+    if not uri:
+        raise ConfigError("tracking.uri is empty; set MLFLOW_TRACKING_URI or tracking.uri")
+    method, pair = cfg.method, cfg.pair
+    models = cfg.models
+    for role in ("A", "B"):
+        key = pair[role]
+        if key not in models:
+            raise ConfigError(
+                f"pair.{role}={key!r} is not a known model; choose one of {', '.join(models)} "
+                "(conf/catalog/models.yaml)"
+            )
+    if pair.A == pair.B:
+        raise ConfigError(f"pair {pair.name!r} names {pair.A!r} twice; a pair needs two different models")
+    if method.n < 2:
+        raise ConfigError(f"method.n={method.n}: GRPO needs at least 2 rollouts per prompt (n >= 2)")
+    if not 0.0 <= method.delta <= 1.0:
+        raise ConfigError(f"method.delta={method.delta} is outside [0, 1]; the paper uses 0.8")
+    if method.clip_low < 0 or method.clip_high < 0 or method.clip_low >= 1:
+        raise ConfigError(
+            f"clip range (1-{method.clip_low}, 1+{method.clip_high}) is invalid; "
+            "need 0 <= method.clip_low < 1 and method.clip_high >= 0"
+        )
+    if method.adv_eps <= 0:
+        raise ConfigError(f"method.adv_eps={method.adv_eps} must be > 0 (paper: 1e-6)")
+    _choice(method.source, SOURCES, "method.source")
+    _choice(method.selection, SELECTIONS, "method.selection")
+    _choice(method.peer_loss, PEER_LOSSES, "method.peer_loss")
+    _choice(method.admission, ADMISSIONS, "method.admission")
+    _choice(method.ratio, RATIOS, "method.ratio")
+    _choice(method.peer_position, PEER_POSITIONS, "method.peer_position")
+    _choice(method.advantages, ADVANTAGES, "method.advantages")
+    _choice(method.peer_responses, PEER_RESPONSES, "method.peer_responses")
+    _choice(cfg.backend.name, BACKENDS, "backend")
+    exchanges = method.selection != "none" or method.peer_loss != "none"
+    if method.co_train != exchanges:
+        raise ConfigError(
+            f"method {method.name!r}: co_train={method.co_train} but selection={method.selection!r}, "
+            f"peer_loss={method.peer_loss!r}; a single-model method needs selection=none and "
+            "peer_loss=none, a two-model method needs both set"
+        )
+    if method.co_train and method.dynamic_sampling:
+        raise ConfigError("method.dynamic_sampling is a single-model GRPO baseline (grpo_ds); "
+                          "it cannot be combined with trajectory exchange")
+    if method.source == "stored" and method.selection in ("balanced", "random_prompts"):
+        raise ConfigError(
+            "stored-trajectory replay transfers in one direction only, so balanced exchange is "
+            "inactive: set method.selection=complementary (as conf/method/graft_stored.yaml does)"
+        )
+    if cfg.backend.name == "verl" and pair.gpus < 1:
+        raise ConfigError(
+            f"backend=verl runs on GPU nodes; pair={pair.name} is the CPU test bed. "
+            "Use backend=local, or pair=pair1|pair2|pair3"
+        )
+    train = cfg.train
+    if train.batch_prompts % train.minibatch_prompts:
+        raise ConfigError(
+            f"train.batch_prompts={train.batch_prompts} is not a multiple of "
+            f"train.minibatch_prompts={train.minibatch_prompts}"
+        )
+    if cfg.eval.runs < 1 or cfg.eval.samples < 1:
+        raise ConfigError("eval.runs and eval.samples must be >= 1")

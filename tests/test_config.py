@@ -1,0 +1,121 @@
+"""Every pair x method composes and validates; bad input fails at composition or validation
+with a message that names the fix."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ConfigKeyError
+
+from graft_exp.config import ConfigError, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
+PAIRS = sorted(p.stem for p in (CONF / "pair").glob("*.yaml"))
+DESIGN_METHODS = {
+    "grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft", "graft_stored",
+    "graft_no_gate", "graft_no_floor", "graft_no_balance", "graft_seq_ratio", "graft_random_prompts",
+    "graft_random_admission", "graft_peer_first", "graft_peer_uniform", "graft_pooled",
+    "graft_success_only", "graft_success_only_no_floor", "hacpo_which", "sgt_which", "graft_luffy",
+}
+
+
+def test_every_design_method_has_a_config():
+    assert set(METHODS) == DESIGN_METHODS
+    assert set(PAIRS) == {"tiny", "pair1", "pair2", "pair3"}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("method", METHODS)
+def test_every_pair_and_method_composes_and_validates(compose_cfg, pair, method):
+    cfg = compose_cfg(f"pair={pair}", f"method={method}")
+    validate(cfg)
+    assert cfg.method.name == method
+    assert cfg.pair.name == pair
+
+
+@pytest.mark.parametrize("pair", ["pair1", "pair2", "pair3"])
+def test_paper_pairs_compose_with_verl(compose_cfg, pair):
+    validate(compose_cfg(f"pair={pair}", "backend=verl"))
+
+
+def test_paper_defaults(compose_cfg):
+    m = compose_cfg("pair=pair1").method
+    assert (m.n, m.delta, m.clip_low, m.clip_high, m.adv_eps) == (8, 0.8, 0.2, 0.28, 1e-6)
+    assert (m.selection, m.peer_loss, m.gate, m.ratio, m.peer_position) == (
+        "balanced", "graft", True, "token", "last")
+    assert compose_cfg("method=sgt").method.sgt_lambda == 0.1
+    assert compose_cfg("method=graft_luffy").method.luffy_gamma == 0.1
+    h = compose_cfg("method=hacpo").method.hacpo
+    assert (h.self_clip_low, h.self_clip_high, h.peer_clip_init, h.peer_clip_step, h.kl_coef,
+            h.minibatch_prompts) == (3e-4, 4e-4, 0.8, 0.025, 1e-3, 64)
+    train = compose_cfg("pair=pair1").train
+    assert (train.batch_prompts, train.minibatch_prompts, train.lr, train.weight_decay) == (128, 32, 1e-6, 0.01)
+
+
+@pytest.mark.parametrize(
+    ("method", "changed"),
+    [
+        ("graft_no_gate", {"gate": False}),
+        ("graft_no_floor", {"delta": 0.0}),
+        ("graft_no_balance", {"selection": "rescue"}),
+        ("graft_seq_ratio", {"ratio": "sequence"}),
+        ("graft_random_prompts", {"selection": "random_prompts"}),
+        ("graft_random_admission", {"admission": "random"}),
+        ("graft_peer_first", {"peer_position": "first"}),
+        ("graft_peer_uniform", {"peer_position": "uniform"}),
+        ("graft_pooled", {"advantages": "pooled"}),
+        ("graft_success_only", {"peer_responses": "success"}),
+        ("graft_success_only_no_floor", {"peer_responses": "success", "delta": 0.0}),
+        ("graft_stored", {"source": "stored", "selection": "complementary"}),
+        ("graft_luffy", {"peer_loss": "luffy", "gate": False}),
+    ],
+)
+def test_variants_change_exactly_their_components(compose_cfg, method, changed):
+    """Appendix G: each variant differs from full GRAFT only in what it names."""
+    base = compose_cfg("method=graft").method
+    variant = compose_cfg(f"method={method}").method
+    diff = {k: variant[k] for k in base if k != "name" and variant[k] != base[k]}
+    assert diff == changed
+
+
+def test_unknown_method_lists_the_options(compose_cfg):
+    with pytest.raises(MissingConfigException, match="Available options"):
+        compose_cfg("method=grafft")
+
+
+def test_unknown_pair_fails(compose_cfg):
+    with pytest.raises(MissingConfigException, match="pair"):
+        compose_cfg("pair=pair9")
+
+
+def test_typo_in_method_key_fails_at_composition(compose_cfg):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match="dleta"):
+        compose_cfg("method.dleta=0.7")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["method.delta=1.5"], r"method.delta=1.5 is outside \[0, 1\]"),
+        (["method.delta=-0.1"], r"outside \[0, 1\]"),
+        (["method.n=1"], r"n >= 2"),
+        (["pair.A=gpt-5"], r"pair.A='gpt-5' is not a known model"),
+        (["pair.B=tiny-char-llama"], r"names 'tiny-char-llama' twice"),
+        (["method=grpo_n8", "method.selection=balanced"], r"single-model method needs selection=none"),
+        (["method=graft", "method.co_train=false"], r"co_train=False"),
+        (["method=graft_stored", "method.selection=balanced"], r"selection=complementary"),
+        (["backend=verl"], r"backend=verl runs on GPU nodes"),
+        (["method.peer_position=middle"], r"method.peer_position='middle' is not one of last, first"),
+        (["train.batch_prompts=10", "train.minibatch_prompts=4"], r"not a multiple"),
+    ],
+)
+def test_bad_values_fail_validation_with_the_fix(compose_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_cfg(*overrides))
+
+
+def test_server_tracking_without_uri_says_what_to_set(compose_cfg, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI"):
+        validate(compose_cfg("tracking=server"))
