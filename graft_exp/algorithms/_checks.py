@@ -11,7 +11,7 @@ import torch
 
 def check_ndim(name: str, tensor: torch.Tensor, ndim: int) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-dimensional, got shape {tuple(tensor.shape)}")
 
@@ -72,6 +72,6 @@ def check_mask_like(name: str, mask: torch.Tensor, ref_name: str, ref: torch.Ten
 
 def check_row_vector(name: str, tensor: torch.Tensor, rows: int) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.shape != (rows,):
         raise ValueError(f"{name} must have shape ({rows},) (one entry per sequence), got {tuple(tensor.shape)}")

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 import torch
 
-from ._checks import check_binary, check_finite, check_mask_like, check_ndim, check_same_shape, check_unit_interval
+from ._checks import (
+    check_binary,
+    check_finite,
+    check_mask_like,
+    check_ndim,
+    check_same_shape,
+    check_unit_interval,
+)
 
 
 def sequence_log_prob_sums(log_prob: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +59,7 @@ def compatibility_score(
 
 def _check_scores(score: torch.Tensor) -> None:
     if not isinstance(score, torch.Tensor):
-        raise ValueError(f"score must be a torch.Tensor, got {type(score).__name__}")
+        raise TypeError(f"score must be a torch.Tensor, got {type(score).__name__}")
     check_finite("score", score)
     if bool((score < 0).any()):
         raise ValueError("score must be >= 0 (it is an exponential of a log-prob difference)")
