@@ -1,0 +1,144 @@
+"""Names the analysis needs to know: models, pairs, methods, benchmarks and which sweep file produces what.
+
+Everything here is display or bookkeeping; the runs themselves are identified by their MLflow tags
+(``graft.method``, ``graft.model``, ``graft.peer``, ``graft.seed``, ...), never by experiment names.
+"""
+
+from __future__ import annotations
+
+#: The paper's benchmark order (Table 1); benchmarks of other suites follow alphabetically.
+BENCH_ORDER = ("math500", "aime2024", "aime2025", "amc23", "minerva")
+BENCH_DISPLAY = {
+    "math500": "MATH500",
+    "aime2024": "AIME2024",
+    "aime2025": "AIME2025",
+    "amc23": "AMC23",
+    "minerva": "Minerva",
+}
+
+MODEL_DISPLAY = {
+    "smollm3-3b-base": "SmolLM3-3B-Base",
+    "qwen3-1.7b-base": "Qwen3-1.7B-Base",
+    "octothinker-3b-hybrid-base": "OctoThinker-3B-Hybrid-Base",
+    "tiny-char-llama": "Tiny-Char-Llama",
+    "tiny-bpe-gpt2": "Tiny-BPE-GPT2",
+}
+#: One-letter names used by the paper's ablation table (S: SmolLM3-3B, Q: Qwen3-1.7B).
+MODEL_SHORT = {
+    "smollm3-3b-base": "S",
+    "qwen3-1.7b-base": "Q",
+    "octothinker-3b-hybrid-base": "O",
+}
+
+#: Pair -> (model A, model B). Pairs found in MLflow tags take precedence; these are the fallback that lets a
+#: table list what is missing from an empty store.
+PAIRS = {
+    "pair1": ("smollm3-3b-base", "qwen3-1.7b-base"),
+    "pair2": ("octothinker-3b-hybrid-base", "qwen3-1.7b-base"),
+    "pair3": ("smollm3-3b-base", "octothinker-3b-hybrid-base"),
+    "tiny": ("tiny-char-llama", "tiny-bpe-gpt2"),
+}
+PAPER_PAIRS = ("pair1", "pair2", "pair3")
+#: The pair of the paper's ablation, compute, and clip-dynamics studies.
+STUDY_PAIR = "pair1"
+
+#: The paper's default compatibility threshold; a ``graft`` run with another ``method.delta`` is a sweep point.
+DEFAULT_DELTA = 0.8
+DELTA_PARAM = "method.delta"
+
+SINGLE_MODEL_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds")
+N8_METHODS = ("grpo_n8", "hacpo", "sgt", "graft")
+
+METHOD_DISPLAY = {
+    "grpo_n8": "GRPO (n=8)",
+    "grpo_n16": "GRPO (n=16)",
+    "grpo_n32": "GRPO (n=32)",
+    "grpo_ds": "GRPO (n=8) + Dynamic Sampling",
+    "hacpo": "HACPO",
+    "sgt": "SGT",
+    "graft": "GRAFT",
+    "graft_stored": "GRAFT w/ stored traj.",
+    "graft_no_gate": "w/o compatibility gate",
+    "graft_no_floor": "δ=0 (no floor)",
+    "graft_no_balance": "w/o balanced exchange",
+    "graft_seq_ratio": "w/o token-level ratio",
+    "graft_random_prompts": "random prompts",
+    "graft_random_admission": "random admission",
+    "graft_peer_first": "first",
+    "graft_peer_uniform": "uniform",
+    "graft_pooled": "pooled with receiver group",
+    "graft_success_only": "success-only",
+    "graft_success_only_no_floor": "+ w/o floor",
+    "hacpo_which": "HACPO + GRAFT which",
+    "sgt_which": "SGT + GRAFT which",
+    "graft_luffy": "GRAFT + LUFFY update",
+}
+
+ABLATION_COMPONENTS = (
+    "graft_no_gate", "graft_no_floor", "graft_no_balance", "graft_seq_ratio",
+    "graft_random_prompts", "graft_random_admission", "graft_peer_first", "graft_peer_uniform",
+)
+ALTERNATIVE_DESIGNS = (
+    "graft_pooled", "graft_success_only", "graft_success_only_no_floor",
+    "hacpo_which", "sgt_which", "graft_luffy",
+)
+
+
+def delta_method(delta: float) -> str:
+    """Method key of a point of the threshold sweep (``method=graft method.delta=<delta>``)."""
+    return f"graft {DELTA_PARAM}={delta:g}"
+
+
+def method_display(method: str) -> str:
+    """Paper-style name of a method key (the conf name, or a delta-sweep point)."""
+    if method.startswith(f"graft {DELTA_PARAM}="):
+        return f"δ={method.split('=', 1)[1]}"
+    return METHOD_DISPLAY.get(method, method)
+
+
+def model_display(model: str) -> str:
+    return MODEL_DISPLAY.get(model, model)
+
+
+def bench_display(bench: str) -> str:
+    return BENCH_DISPLAY.get(bench, bench)
+
+
+def order_benches(benches) -> list[str]:
+    """Paper order first, then any other benchmark alphabetically (the tiny pair has its own suite)."""
+    known = [b for b in BENCH_ORDER if b in benches]
+    return known + sorted(set(benches) - set(known))
+
+
+# The one place that says which sweep file produces which runs (named in "missing" warnings).
+SWEEP_FILES = {
+    "main": "sweeps/main.yaml",
+    "ablation": "sweeps/ablation.yaml",
+    "alternatives": "sweeps/alternatives.yaml",
+    "delta": "sweeps/delta.yaml",
+    "stability": "sweeps/stability.yaml",
+    "stored": "sweeps/stored.yaml",
+    "clip_dynamics": "sweeps/clip_dynamics.yaml",
+    "compute": "sweeps/compute.yaml",
+}
+
+
+def sweep_for(table: str, method: str, seed: int) -> str:
+    """The sweep file whose runs fill a cell of ``table`` for ``method`` and ``seed``."""
+    if table == "clipfrac-position":
+        study = "clip_dynamics"
+    elif table == "training-variance" and seed != 0:
+        study = "stability"
+    elif method == "grpo_ds":
+        study = "compute"
+    elif method == "graft_stored":
+        study = "stored"
+    elif method.startswith(f"graft {DELTA_PARAM}="):
+        study = "delta"
+    elif method in ABLATION_COMPONENTS:
+        study = "ablation"
+    elif method in ALTERNATIVE_DESIGNS:
+        study = "alternatives"
+    else:
+        study = "main"
+    return SWEEP_FILES[study]

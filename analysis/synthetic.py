@@ -1,0 +1,204 @@
+"""Write MLflow stores that follow DESIGN.md's schema exactly, for the analysis tests and the scale benchmark.
+
+A :class:`JobSpec` is one Hydra job (the parent run) and its :class:`ModelSpec` children; :func:`write_jobs`
+logs them with ``MlflowClient.log_batch``. :func:`paper_like_jobs` generates a store that fills every table
+and figure of the paper with plausible, seeded random values.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from analysis import catalog
+
+_MAX_METRICS, _MAX_PARAMS = 1000, 100  # MLflow's log_batch limits per request
+
+
+@dataclass
+class ModelSpec:
+    """A model run: tags, per-step metric histories and the evaluation scores of its best checkpoint."""
+
+    model: str
+    role: str
+    peer: str = "none"
+    n: int = 8
+    best_step: int | None = None
+    test: dict[str, list[float]] = field(default_factory=dict)  # bench -> one value per evaluation run
+    metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # key -> {step: value}
+    prompt_success: pd.DataFrame | None = None  # step, prompt_id, k
+
+
+@dataclass
+class JobSpec:
+    """A job run (one Hydra job) with its model runs."""
+
+    method: str
+    pair: str
+    seed: int
+    models: list[ModelSpec]
+    study: str = "main"
+    params: dict[str, object] = field(default_factory=dict)
+    metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def _metric_entities(histories: dict[str, dict[int, float]], start_ms: int) -> list[Metric]:
+    return [Metric(key, float(value), start_ms + int(step), int(step))
+            for key, steps in histories.items() for step, value in steps.items()]
+
+
+def _log(client: MlflowClient, run_id: str, metrics: list[Metric], params: dict, tags: dict) -> None:
+    tag_entities = [RunTag(k, str(v)) for k, v in tags.items()]
+    param_entities = [Param(k, str(v)) for k, v in params.items()]
+    client.log_batch(run_id, tags=tag_entities)
+    for start in range(0, len(param_entities), _MAX_PARAMS):
+        client.log_batch(run_id, params=param_entities[start:start + _MAX_PARAMS])
+    for start in range(0, len(metrics), _MAX_METRICS):
+        client.log_batch(run_id, metrics=metrics[start:start + _MAX_METRICS])
+
+
+def _experiment_id(client: MlflowClient, name: str, artifact_root: Path) -> str:
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    return client.create_experiment(name, artifact_location=(artifact_root / name.replace("/", "_")).as_uri())
+
+
+def write_jobs(tracking_uri: str, jobs: list[JobSpec], artifact_root: Path) -> list[str]:
+    """Log every job and model run into experiments ``graft/<study>``; returns the model run ids."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    start_ms = int(time.time() * 1000)
+    model_run_ids = []
+    for job in jobs:
+        experiment = _experiment_id(client, f"graft/{job.study}", artifact_root)
+        common = {"graft.method": job.method, "graft.pair": job.pair, "graft.seed": job.seed}
+        parent = client.create_run(experiment, tags={**common, "graft.study": job.study, "graft.backend": "verl",
+                                                     "graft.run_key": f"{job.study}-{job.method}-{job.pair}-{job.seed}",
+                                                     "graft.git_sha": "0" * 40})
+        params = {"method.name": job.method, "seed": job.seed, "pair.name": job.pair, **job.params}
+        _log(client, parent.info.run_id, _metric_entities(job.metrics, start_ms), params, {})
+        for spec in job.models:
+            child = client.create_run(experiment, tags={"mlflow.parentRunId": parent.info.run_id})
+            tags = {**common, "graft.model": spec.model, "graft.peer": spec.peer, "graft.role": spec.role,
+                    "graft.n": spec.n}
+            if spec.best_step is not None:
+                tags["graft.best_step"] = spec.best_step
+            tests = {f"test/{b}": dict(enumerate(v)) for b, v in spec.test.items()}
+            if spec.test:
+                tests["test/avg"] = dict(enumerate(np.mean(list(spec.test.values()), axis=0)))
+            _log(client, child.info.run_id, _metric_entities({**spec.metrics, **tests}, start_ms), {}, tags)
+            if spec.prompt_success is not None:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "prompt_success.parquet"
+                    spec.prompt_success.to_parquet(path)
+                    client.log_artifact(child.info.run_id, str(path))
+            client.set_terminated(child.info.run_id)
+            model_run_ids.append(child.info.run_id)
+        client.set_terminated(parent.info.run_id)
+    return model_run_ids
+
+
+# --- a paper-like store -------------------------------------------------------------------------------------
+
+#: Which (method, seeds, pairs) each study runs; "study" pairs are pair1 only, as in the paper.
+STUDY_METHODS = {
+    "main": ("grpo_n8", "grpo_n16", "grpo_n32", "hacpo", "sgt", "graft"),
+    "stability": ("grpo_n8", "graft"),
+    "compute": ("grpo_ds",),
+    "stored": ("graft_stored",),
+    "ablation": catalog.ABLATION_COMPONENTS,
+    "alternatives": catalog.ALTERNATIVE_DESIGNS,
+    "delta": ("graft",),
+}
+_TRAIN_KEYS = ("reward_mean", "all_fail_frac", "peer_solved_frac", "peer_groups", "peer_admitted", "compat_mean",
+               "clipfrac_self", "clipfrac_peer")
+
+
+def _model_spec(rng: np.random.Generator, model: str, role: str, peer: str, n: int, quality: float,
+                offsets: dict[str, float], steps: int, benches: tuple[str, ...], eval_runs: int, val_every: int, gpuh_per_step: float,
+                with_prompts: bool) -> ModelSpec:
+    """Histories of one model run: validation every ``val_every`` steps, best checkpoint = argmax val/avg."""
+    train_steps = np.arange(1, steps + 1)
+    metrics = {f"train/{k}": dict(zip(train_steps.tolist(), rng.uniform(0, 0.01 if "clip" in k else 1, steps)))
+               for k in _TRAIN_KEYS}
+    metrics["cost/gpu_hours"] = dict(zip(train_steps.tolist(), np.cumsum(rng.uniform(0.5, 1.5, steps))
+                                         * gpuh_per_step))
+    val_steps = list(range(val_every, steps + 1, val_every))
+    curve = quality * (1 - 0.3 * np.exp(-np.array(val_steps) / (steps / 3)))
+    for bench in benches:
+        metrics[f"val/{bench}"] = dict(zip(val_steps, np.clip(curve + offsets[bench] + rng.normal(0, 0.01, len(
+            val_steps)), 0, 1)))
+    metrics["val/avg"] = dict(zip(val_steps, np.mean([list(metrics[f"val/{b}"].values()) for b in benches], axis=0)))
+    best = max(metrics["val/avg"], key=metrics["val/avg"].get)
+    test = {b: np.clip(quality + offsets[b] + rng.normal(0, 0.01, eval_runs), 0, 1).tolist() for b in benches}
+    prompts = None
+    if with_prompts:
+        prompts = pd.DataFrame({"step": np.repeat(train_steps, 64), "prompt_id": rng.integers(0, 7500, 64 * steps),
+                                "k": rng.binomial(n, quality, 64 * steps)})
+    return ModelSpec(model, role, peer, n, best, test, metrics, prompts)
+
+
+def paper_like_jobs(steps: int = 174, seeds: int = 1, pairs: tuple[str, ...] = catalog.PAPER_PAIRS,
+                    benches: tuple[str, ...] = catalog.BENCH_ORDER, eval_runs: int = 5, val_every: int = 5,
+                    rng_seed: int = 0) -> list[JobSpec]:
+    """Jobs that fill every table and figure: every study's methods on ``seeds`` seeds (the stability study
+    always has three), single-pair studies on the first pair, random but reproducible values."""
+    rng = np.random.default_rng(rng_seed)
+    quality = {m: rng.uniform(0.2, 0.4) for p in pairs for m in catalog.PAIRS[p]}
+    # Per-model benchmark difficulty, so that methods differ by their gain rather than by noise.
+    offsets = {m: {b: rng.uniform(-0.15, 0.35) for b in benches} for m in quality}
+    study_pair = pairs[0]
+    jobs, grpo_done = [], set()
+    for study, methods in STUDY_METHODS.items():
+        study_seeds = range(max(seeds, 3)) if study == "stability" else range(seeds)
+        for method in methods:
+            for seed in study_seeds:
+                if study == "stability" and seed == 0:
+                    continue  # seed 0 is the main study's run
+                deltas = (0.7, 0.9) if study == "delta" else (None,)
+                for pair in (pairs if study in ("main", "stability", "stored") else (study_pair,)):
+                    model_a, model_b = catalog.PAIRS[pair]
+                    for delta in deltas:
+                        jobs += _jobs_for(rng, method, pair, seed, study, delta, model_a, model_b, quality,
+                                          offsets, steps, benches, eval_runs, val_every, grpo_done)
+    return jobs
+
+
+def _jobs_for(rng, method, pair, seed, study, delta, model_a, model_b, quality, offsets, steps, benches,
+              eval_runs, val_every, grpo_done) -> list[JobSpec]:
+    n = int(method.rsplit("_n", 1)[1]) if method.startswith("grpo_n") else 8
+    params = {"method.n": n, "method.delta": delta if delta is not None else catalog.DEFAULT_DELTA,
+              "train.lr": 1e-6, "train.epochs": 3, "data.train_batch_size": 128, "rollout.temperature": 1.0}
+    common = {"steps": steps, "benches": benches, "eval_runs": eval_runs, "val_every": val_every}
+    gain = 0.0 if method.startswith("grpo") else rng.uniform(-0.02, 0.05)
+    if method in catalog.SINGLE_MODEL_METHODS:
+        jobs = []
+        for role, model in (("A", model_a), ("B", model_b)):
+            if (method, model, seed) in grpo_done:
+                continue  # one GRPO baseline per (model, n, seed), shared by every pair
+            grpo_done.add((method, model, seed))
+            spec = _model_spec(rng, model, role, "none", n, quality[model] + 0.01 * (n // 8), offsets[model],
+                               gpuh_per_step=0.1 * n / 8,
+                               with_prompts=(method == "grpo_n8" and seed == 0), **common)
+            jobs.append(JobSpec(method, pair, seed, [spec], study, params, {"cost/gpu_hours": spec.metrics[
+                "cost/gpu_hours"]}))
+        return jobs
+    receivers = ((("A", model_a, model_b),), (("B", model_b, model_a),)) if method == "graft_stored" else (
+        (("A", model_a, model_b), ("B", model_b, model_a)),)
+    jobs = []
+    for group in receivers:
+        specs = [_model_spec(rng, model, role, peer, 8, quality[model] + gain, offsets[model], gpuh_per_step=0.12,
+                             with_prompts=False, **common) for role, model, peer in group]
+        job_cost = np.sum([list(s.metrics["cost/gpu_hours"].values()) for s in specs], axis=0) * 1.02
+        jobs.append(JobSpec(method, pair, seed, specs, study, params,
+                            {"cost/gpu_hours": dict(zip(range(1, steps + 1), job_cost)),
+                             "exchange/A_to_B": dict(zip(range(1, steps + 1), rng.integers(0, 10, steps))),
+                             "exchange/B_to_A": dict(zip(range(1, steps + 1), rng.integers(0, 10, steps)))}))
+    return jobs

@@ -1,0 +1,450 @@
+"""One builder per table of the paper: MLflow runs -> a :class:`Table` (rows, bands, marks, CSV frame).
+
+Builders follow the paper's layout and rules (captions of Tables 1, 2, 3-8 and App. C, D, H); rendering to
+.csv/.md/.tex lives in :mod:`analysis.render`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from analysis import catalog, rules
+from analysis.results import Analysis, Missing
+
+AVG = rules.AVG
+
+
+@dataclass
+class Band:
+    """A full-width label row: ``pair`` (shaded), ``model`` (lighter) or ``section`` (italic sub-header)."""
+
+    text: str
+    level: str
+    group: str = ""  # Table 2: the subtable ("a" or "b") a section band belongs to
+
+
+@dataclass
+class Row:
+    """One (updated model, peer, method) row; ``stats`` holds ``n``, ``<col>_mean``, ``<col>_std``, ``delta``."""
+
+    updated_model: str
+    peer: str
+    method: str
+    stats: dict
+    label: str
+    reference: bool = False
+    ours: bool = False
+    bold: set = field(default_factory=set)
+    marks: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def record(self, benches: list[str]) -> dict:
+        record = {"updated_model": self.updated_model, "peer": self.peer, "method": self.method,
+                  "n": self.stats.get("n", 0)}
+        for column in [*benches, AVG]:
+            record[f"{column}_mean"] = self.stats.get(f"{column}_mean", math.nan)
+            record[f"{column}_std"] = self.stats.get(f"{column}_std", math.nan)
+        record["delta"] = self.stats.get("delta", math.nan)
+        return record | self.extra
+
+
+@dataclass
+class Table:
+    """A paper table: its label, caption, benchmark columns and the ordered bands and rows."""
+
+    label: str
+    caption: str
+    benches: list[str]
+    items: list = field(default_factory=list)
+    kind: str = "results"
+    frame_override: pd.DataFrame | None = None
+
+    @property
+    def rows(self) -> list[Row]:
+        return [item for item in self.items if isinstance(item, Row)]
+
+    def frame(self) -> pd.DataFrame:
+        """The CSV: one row per (updated model, peer, method)."""
+        if self.frame_override is not None:
+            return self.frame_override
+        return pd.DataFrame([row.record(self.benches) for row in self.rows])
+
+
+def _pair_name(pair: str) -> str:
+    return f"Pair {pair[4:]}" if pair.startswith("pair") and pair[4:].isdigit() else pair
+
+
+def _empty_stats() -> dict:
+    return {"n": 0}
+
+
+def _checkpoint_row(a: Analysis, table: str, method: str, model: str, peer: str, benches: list[str],
+                    label: str | None = None, seed: int = 0, **flags) -> Row:
+    """A row from one training run: mean and std over the evaluation runs of its selected checkpoint."""
+    run_id = a.find(table, method, model, peer, seed)
+    stats = rules.checkpoint_summary(a.scores(run_id, benches)) if run_id else _empty_stats()
+    return Row(model, peer, method, stats, label or catalog.method_display(method), **flags)
+
+
+def _set_deltas(rows: list[Row], reference: Row) -> None:
+    """Δ = Avg - Avg of the block's reference row (GRPO n=8 in Table 1, full GRAFT in the ablations)."""
+    base = reference.stats.get(f"{AVG}_mean", math.nan)
+    for row in rows:
+        row.stats["delta"] = row.stats.get(f"{AVG}_mean", math.nan) - base
+    reference.reference = True
+
+
+def _means(rows: list[Row], columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({row.method: {c: row.stats.get(f"{c}_mean", math.nan) for c in columns} for row in rows}).T
+
+
+def _run_benches(a: Analysis, pairs: list[str]) -> list[str]:
+    models = {m for p in pairs for m in a.pairs[p]}
+    run_ids = a.model_runs.index[a.model_runs["model"].isin(models)]
+    return a.benches_of(run_ids)
+
+
+def updated_models(a: Analysis, pairs: list[str]) -> list[str]:
+    """Updated models in order of first appearance over the pairs (A before B)."""
+    return list(dict.fromkeys(m for p in pairs for m in a.pairs[p]))
+
+
+def peer_blocks(a: Analysis, model: str, pairs: list[str]) -> list[tuple[str, str]]:
+    """(pair, peer) for each pair that contains ``model``, in pair order."""
+    return [(p, a.pairs[p][1] if a.pairs[p][0] == model else a.pairs[p][0]) for p in pairs if model in a.pairs[p]]
+
+
+def main_results(a: Analysis) -> Table:
+    """Table 1: first training run, mean ± std over evaluation runs, bold and †/‡ marks, Δ vs GRPO (n=8)."""
+    label = "main-results"
+    pairs = a.pairs_with_runs()
+    benches = _run_benches(a, pairs)
+    columns = [*benches, AVG]
+    table = Table(label, "Results of cross-model rollout exchange during co-training.", benches)
+    for model in updated_models(a, pairs):
+        table.items.append(Band(f"Updated policy: {catalog.model_display(model)}", "pair"))
+        grpo = {m: _checkpoint_row(a, label, m, model, "none", benches) for m in ("grpo_n8", "grpo_n16", "grpo_n32")}
+        table.items += list(grpo.values())
+        block_rows = list(grpo.values())
+        for pair, peer in peer_blocks(a, model, pairs):
+            table.items.append(Band(f"Peer policy: {catalog.model_display(peer)} ({_pair_name(pair)})", "model"))
+            rows = {m: _checkpoint_row(a, label, m, model, peer, benches, ours=(m == "graft"))
+                    for m in ("hacpo", "sgt", "graft")}
+            table.items += list(rows.values())
+            block_rows += list(rows.values())
+            n8 = [grpo["grpo_n8"], rows["hacpo"], rows["sgt"], rows["graft"]]
+            for row_method, cells in rules.bold_cells(_means(n8, columns), "grpo_n8").items():
+                if row_method != "grpo_n8":
+                    rows[row_method].bold = cells
+            up_to_16 = _means([grpo["grpo_n8"], grpo["grpo_n16"], rows["hacpo"], rows["sgt"]], columns)
+            up_to_32 = _means([*(grpo.values()), rows["hacpo"], rows["sgt"]], columns)
+            ours = _means([rows["graft"]], columns).iloc[0]
+            rows["graft"].marks = rules.dagger_marks(ours, [("†", up_to_16), ("‡", up_to_32)])
+        _set_deltas(block_rows, grpo["grpo_n8"])
+    return table
+
+
+ABLATION_FULL_SECTIONS = (
+    ("Removing one component", ("graft_no_gate", "graft_no_balance", "graft_seq_ratio")),
+    ("Count-matched random selection", ("graft_random_prompts", "graft_random_admission")),
+    ("Position of peer minibatches", ("graft_peer_first", "graft_peer_uniform")),
+    ("Advantage computation", ("graft_pooled",)),
+    ("Varying the compatibility gate threshold",
+     ("graft_no_floor", catalog.delta_method(0.7), catalog.delta_method(0.9))),
+)
+WHICH_HOW_ROWS = (
+    ("hacpo", "HACPO"), ("hacpo_which", "HACPO + GRAFT which"),
+    ("sgt", "SGT"), ("graft_no_balance", "SGT + GRAFT how"), ("sgt_which", "SGT + GRAFT which"),
+    ("graft_luffy", "GRAFT + LUFFY update"),
+)
+ABLATION_COMPACT = (
+    ("a", "Component removal", (("graft_no_gate", "compat. gate"), ("graft_no_floor", "compat. floor"),
+                                ("graft_no_balance", "balancing"), ("graft_seq_ratio", "token ratio"))),
+    ("a", "Random selection", (("graft_random_prompts", "prompts"), ("graft_random_admission", "admission"))),
+    ("a", "Peer position", (("graft_peer_first", "first"), ("graft_peer_uniform", "uniform"))),
+    ("b", "Transfer rule", (("graft_pooled", "pooled groups"), ("graft_success_only", "success-only"),
+                            ("graft_success_only_no_floor", "+ w/o floor"))),
+    ("b", "Our which, prior how", (("hacpo_which", "HACPO update"), ("sgt_which", "SFT update (SGT)"),
+                                   ("graft_luffy", "LUFFY update"))),
+    ("b", "Original methods", (("hacpo", "HACPO"), ("sgt", "SGT"))),
+)
+
+
+def _study_block(a: Analysis, table: Table, model: str, peer: str, sections, full_label: str) -> None:
+    """A model block of the Pair-1 studies: full GRAFT, sectioned variants, GRPO (n=8); Δ vs full GRAFT."""
+    benches = table.benches
+    full = _checkpoint_row(a, table.label, "graft", model, peer, benches, full_label, ours=True)
+    table.items += [Band(catalog.model_display(model), "model"), full]
+    rows = [full]
+    for title, methods in sections:
+        if title:
+            table.items.append(Band(title, "section"))
+        for method, label in methods:
+            row = _checkpoint_row(a, table.label, method, model,
+                                  "none" if method in catalog.SINGLE_MODEL_METHODS else peer, benches, label)
+            table.items.append(row)
+            rows.append(row)
+    grpo = _checkpoint_row(a, table.label, "grpo_n8", model, "none", benches)
+    table.items.append(grpo)
+    _set_deltas([*rows, grpo], full)
+
+
+def _study_models(a: Analysis, methods) -> list[tuple[str, str]]:
+    """(updated model, peer) of the Pair-1 studies, for every pair where those studies ran."""
+    blocks = []
+    for pair in a.study_pairs(methods):
+        model_a, model_b = a.pairs[pair]
+        blocks += [(model_a, model_b), (model_b, model_a)]
+    return blocks
+
+
+def ablation_full(a: Analysis) -> Table:
+    """Table 6 (App. F): per-benchmark ablation and threshold sweep on Pair 1, Δ vs full GRAFT."""
+    methods = [m for _, ms in ABLATION_FULL_SECTIONS for m in ms]
+    blocks = _study_models(a, methods)
+    table = Table("ablation-full", "Full ablation of GRAFT.", _run_benches(a, a.study_pairs(methods)))
+    sections = [(title, [(m, None) for m in ms]) for title, ms in ABLATION_FULL_SECTIONS]
+    for model, peer in blocks:
+        _study_block(a, table, model, peer, sections, "GRAFT (full, δ=0.8)")
+    return table
+
+
+def which_how_full(a: Analysis) -> Table:
+    """Table 7 (App. F): prior methods with GRAFT's which or how on Pair 1, Δ vs full GRAFT."""
+    methods = [m for m, _ in WHICH_HOW_ROWS if m not in ("hacpo", "sgt")]  # those two ran on every pair
+    table = Table("which-how-full", "Full results for prior methods with one side replaced.",
+                  _run_benches(a, a.study_pairs(methods)))
+    for model, peer in _study_models(a, methods):
+        _study_block(a, table, model, peer, [(None, WHICH_HOW_ROWS)], "GRAFT")
+    return table
+
+
+def ablation(a: Analysis) -> Table:
+    """Table 2: Avg ± std and Δ vs full GRAFT per model of Pair 1; (a) components, (b) alternative designs."""
+    methods = [m for _, _, rows in ABLATION_COMPACT for m, _ in rows if m not in ("hacpo", "sgt")]
+    table = Table("ablation", "Ablations and alternative designs.", _run_benches(a, a.study_pairs(methods)),
+                  kind="ablation")
+    for model, peer in _study_models(a, methods):
+        block = Table("ablation", "", table.benches)
+        _study_block(a, block, model, peer, [(t, rows) for _, t, rows in ABLATION_COMPACT], "GRAFT (full)")
+        subtable_of = {m: s for s, _, rows in ABLATION_COMPACT for m, _ in rows}
+        subtable_of |= {title: s for s, title, _ in ABLATION_COMPACT}
+        for item in block.items:
+            if isinstance(item, Row):
+                item.extra["subtable"] = subtable_of.get(item.method, "ab")
+            elif item.level == "section":
+                item.group = subtable_of[item.text]
+        table.items += block.items
+    return table
+
+
+STABILITY_SEEDS = (0, 1, 2)
+
+
+def _seed_row(a: Analysis, table: str, method: str, model: str, peer: str, benches: list[str], **flags) -> Row:
+    scores = []
+    for seed in STABILITY_SEEDS:
+        run_id = a.find(table, method, model, peer, seed)
+        if run_id:
+            scores.append(a.scores(run_id, benches))
+    stats = rules.seed_summary(scores) if scores else _empty_stats()
+    return Row(model, peer, method, stats, catalog.method_display(method), **flags)
+
+
+def _pair_band(a: Analysis, pair: str) -> Band:
+    model_a, model_b = a.pairs[pair]
+    return Band(f"{_pair_name(pair)}  {catalog.model_display(model_a)} ↔ {catalog.model_display(model_b)}", "pair")
+
+
+def training_variance(a: Analysis) -> Table:
+    """Table 4 (App. C): per training run the mean over evaluation runs, then mean and sample std over seeds."""
+    label = "training-variance"
+    pairs = a.pairs_with_runs()
+    benches = _run_benches(a, pairs)
+    table = Table(label, "Training stability across three independent runs.", benches)
+    for pair in pairs:
+        table.items.append(_pair_band(a, pair))
+        for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
+            grpo = _seed_row(a, label, "grpo_n8", model, "none", benches)
+            ours = _seed_row(a, label, "graft", model, peer, benches, ours=True)
+            table.items += [Band(catalog.model_display(model), "model"), grpo, ours]
+            for row, cells in zip((grpo, ours), rules.better_of_two(_means([grpo, ours], [*benches, AVG])).values()):
+                row.bold = cells
+            _set_deltas([grpo, ours], grpo)
+    return table
+
+
+def replay_results(a: Analysis) -> Table:
+    """Table 5 (App. E): GRPO (n=8), online GRAFT and GRAFT with stored peer trajectories, Δ vs GRPO."""
+    label = "replay-results"
+    pairs = a.pairs_with_runs()
+    benches = _run_benches(a, pairs)
+    table = Table(label, "Effect of learning from peer-model training trajectories.", benches)
+    for pair in pairs:
+        table.items.append(_pair_band(a, pair))
+        for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
+            rows = [_checkpoint_row(a, label, "grpo_n8", model, "none", benches),
+                    _checkpoint_row(a, label, "graft", model, peer, benches, ours=True),
+                    _checkpoint_row(a, label, "graft_stored", model, peer, benches)]
+            table.items += [Band(catalog.model_display(model), "model"), *rows]
+            _set_deltas(rows, rows[0])
+    return table
+
+
+COMPUTE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft", "graft_stored")
+#: Methods whose two models train in separate runs: the pair's cost is the sum of the two runs' costs.
+SEPARATE_RUN_METHODS = (*catalog.SINGLE_MODEL_METHODS, "graft_stored")
+
+
+def compute_costs(a: Analysis, method: str, model: str, peer: str, run_id: str, sibling: str | None) -> dict:
+    """GPU-hours of one model under App. D's accounting.
+
+    ``gpuh_best``/``gpuh_full``: the model's own cost to its selected checkpoint / for the full run.
+    ``joint_gpuh_best``/``joint_gpuh_full``: both models; for co-training, the joint run through the later
+    of the two selected checkpoints / to its end; for separate runs, the sum of the two runs' costs
+    (stored-trajectory runs exclude the source runs). ``conservative_gpuh``: Fig. 6's charge, the model's own
+    cost for separate runs and the joint run's cost up to this model's checkpoint for co-training.
+    """
+    own = a.model_cost(run_id)
+    best = a.best_step(run_id)
+    costs = {"best_step": best, "gpuh_best": rules.value_at_step(own, best), "gpuh_full": rules.final_value(own)}
+    if method in SEPARATE_RUN_METHODS:
+        costs["conservative_gpuh"] = costs["gpuh_best"]
+        if sibling is None:
+            costs |= {"joint_gpuh_best": math.nan, "joint_gpuh_full": math.nan}
+        else:
+            other = a.model_cost(sibling)
+            costs["joint_gpuh_best"] = costs["gpuh_best"] + rules.value_at_step(other, a.best_step(sibling))
+            costs["joint_gpuh_full"] = costs["gpuh_full"] + rules.final_value(other)
+        return costs
+    job = a.job_cost(run_id)
+    steps = [a.best_step(r) for r in a.siblings(run_id)]
+    costs["conservative_gpuh"] = rules.value_at_step(job, best)
+    costs["joint_gpuh_best"] = rules.joint_checkpoint_cost(job, steps) if len(steps) == 2 else math.nan
+    costs["joint_gpuh_full"] = rules.final_value(job)
+    return costs
+
+
+def compute(a: Analysis) -> Table:
+    """Table 3 (App. D): Avg and GPU-hours to the selected checkpoint and for the full run, per model and pair."""
+    label = "compute"
+    pairs = a.study_pairs(["grpo_ds"])
+    benches = _run_benches(a, pairs)
+    table = Table(label, "Score and training cost.", benches, kind="compute")
+    for pair in pairs:
+        model_a, model_b = a.pairs[pair]
+        table.items.append(_pair_band(a, pair))
+        for method in COMPUTE_METHODS:
+            separate = method in catalog.SINGLE_MODEL_METHODS
+            found = {}
+            for model, peer in ((model_a, model_b), (model_b, model_a)):
+                found[model] = (peer if not separate else "none",
+                                a.find(label, method, model, "none" if separate else peer))
+            for model, (peer, run_id) in found.items():
+                row = _checkpoint_row(a, label, method, model, peer, benches, ours=method.startswith("graft"))
+                other = found[model_b if model == model_a else model_a][1]
+                if run_id:
+                    row.extra = compute_costs(a, method, model, peer, run_id, other)
+                row.extra = {"pair": pair} | {k: row.extra.get(k, math.nan) for k in
+                             ("best_step", "gpuh_best", "gpuh_full", "joint_gpuh_best", "joint_gpuh_full",
+                              "conservative_gpuh")}
+                table.items.append(row)
+    return table
+
+
+CLIP_ORDERINGS = (("graft_peer_first", "First"), ("graft_peer_uniform", "Uniform"), ("graft", "Last (ours)"))
+
+
+def clipfrac_position(a: Analysis) -> Table:
+    """Table 8 (App. H): clipped-token fractions (%) over steps 1-48 by peer-minibatch position."""
+    label = "clipfrac-position"
+    records = []
+    for pair in a.study_pairs(["graft_peer_first", "graft_peer_uniform"]):
+        for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
+            for method, _ in CLIP_ORDERINGS:
+                run_id = a.find(label, method, model, peer, need_tests=False)
+                series = {k: a.store.series(run_id, f"train/{k}") if run_id else pd.Series(dtype=float)
+                          for k in ("clipfrac_self", "clipfrac_peer", "peer_admitted")}
+                fractions = rules.clip_fractions(series["clipfrac_self"], series["clipfrac_peer"],
+                                                 series["peer_admitted"])
+                records.append({"pair": pair, "updated_model": model, "peer": peer, "method": method} | fractions)
+    frame = pd.DataFrame(records)
+    pooled = frame.groupby(["pair", "method"])[["zero_peer_steps", "peer_steps"]].transform("sum")
+    frame["zero_peer_clip_steps_pct"] = 100 * pooled["zero_peer_steps"] / pooled["peer_steps"].where(
+        pooled["peer_steps"] > 0)
+    return Table(label, "Token-level clipping under different peer-minibatch orderings, steps 1-48.", [],
+                 kind="clipfrac", frame_override=frame.drop(columns=["zero_peer_steps", "peer_steps"]))
+
+
+#: Table 3 (App. B) rows -> the last component(s) of the flattened config keys that hold them.
+HPARAM_ROWS = (
+    ("Training epochs", ("epochs", "total_epochs", "num_epochs")),
+    ("Prompt batch size", ("batch_size", "train_batch_size", "prompt_batch_size", "batch_prompts")),
+    ("Rollouts per prompt per model", ("n", "rollout_n", "num_rollouts")),
+    ("Optimization minibatch size (prompts)", ("minibatch_size", "ppo_mini_batch_size", "minibatch_prompts",
+                                               "mini_batch_size")),
+    ("Optimization epochs per rollout batch", ("ppo_epochs", "update_epochs", "optim_epochs")),
+    ("Maximum prompt length", ("max_prompt_length", "prompt_length")),
+    ("Maximum response length", ("max_response_length", "response_length")),
+    ("Rollout temperature", ("temperature",)),
+    ("Rollout top-p", ("top_p",)),
+    ("Optimizer", ("optimizer", "optim_name")),
+    ("Learning rate", ("lr", "learning_rate")),
+    ("LR schedule / warmup", ("lr_schedule", "scheduler", "warmup_steps", "lr_warmup_steps")),
+    ("Adam coefficients (β1, β2)", ("betas",)),
+    ("Weight decay", ("weight_decay",)),
+    ("Maximum gradient norm", ("grad_clip", "max_grad_norm", "grad_norm")),
+    ("PPO clipping ε_low", ("clip_low", "clip_ratio_low", "eps_low", "epsilon_low")),
+    ("PPO clipping ε_high", ("clip_high", "clip_ratio_high", "eps_high", "epsilon_high")),
+    ("GRPO normalization stabilizer", ("adv_eps", "norm_eps", "advantage_eps", "epsilon")),
+    ("KL coefficient", ("kl_coef", "kl_loss_coef", "kl")),
+    ("Entropy coefficient", ("entropy_coef", "entropy_coeff", "entropy")),
+    ("Precision", ("dtype", "precision")),
+)
+HPARAM_METHODS = ("graft", "grpo_n8")
+
+
+def _hparam_keys(params: list[str], names: tuple[str, ...]) -> list[str]:
+    """Config keys whose last component is one of ``names`` (all of them, e.g. data.* and rollout.*)."""
+    return sorted(k for k in params if k.rsplit(".", 1)[-1] in names)
+
+
+def training_hparams(a: Analysis) -> Table:
+    """Table 3 (App. B) from the params of the GRAFT and GRPO (n=8) job runs of the paper's pairs."""
+    jobs = a.store.job_runs
+    jobs = jobs[jobs["method"].isin(HPARAM_METHODS)]
+    paper_jobs = jobs[jobs["pair"].isin(catalog.PAPER_PAIRS)]
+    jobs = paper_jobs if len(paper_jobs) else jobs
+    params = [c[len("param:"):] for c in jobs.columns if c.startswith("param:") and jobs[c].notna().any()]
+    records = []
+    for name, candidates in HPARAM_ROWS:
+        keys = _hparam_keys(params, candidates)
+        values = sorted({str(v) for k in keys for v in jobs[f"param:{k}"].dropna()})
+        if not keys:
+            a.missing.append(Missing("training-hparams", ",".join(HPARAM_METHODS), "-", "-", 0,
+                                     catalog.sweep_for("training-hparams", "graft", 0),
+                                     f"no logged config key for '{name}'"))
+        records.append({"hyperparameter": name, "value": " / ".join(values) if values else math.nan,
+                        "param_keys": " ".join(keys)})
+    return Table("training-hparams", "Training hyperparameters.", [], kind="hparams",
+                 frame_override=pd.DataFrame(records))
+
+
+BUILDERS = {
+    "main-results": main_results,
+    "ablation": ablation,
+    "ablation-full": ablation_full,
+    "which-how-full": which_how_full,
+    "training-variance": training_variance,
+    "replay-results": replay_results,
+    "compute": compute,
+    "clipfrac-position": clipfrac_position,
+    "training-hparams": training_hparams,
+}
+
+
+def build_all(a: Analysis) -> dict[str, Table]:
+    return {label: build(a) for label, build in BUILDERS.items()}
