@@ -213,8 +213,8 @@ def hacpo_policy_loss(
             "clipped_seqs_peer": clipped_seqs_peer,
             "clipfrac_self": clipped_seqs_self / seqs_self.clamp(min=1),
             "clipfrac_peer": clipped_seqs_peer / seqs_peer.clamp(min=1),
-            "ratio_mean_self": torch.where(~peer, ratio, 0.0).sum().float() / seqs_self.clamp(min=1),
-            "ratio_mean_peer": torch.where(peer, ratio, 0.0).sum().float() / seqs_peer.clamp(min=1),
+            "ratio_mean_self": torch.where(~peer, ratio, 0.0).float().sum() / seqs_self.clamp(min=1),
+            "ratio_mean_peer": torch.where(peer, ratio, 0.0).float().sum() / seqs_peer.clamp(min=1),
             "cross_clip_lower": torch.tensor(lower),
         }
     return loss, metrics

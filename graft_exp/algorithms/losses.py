@@ -93,6 +93,11 @@ def _masked(values: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     return torch.where(present, values, torch.zeros_like(values))
 
 
+def _wide(values: torch.Tensor) -> torch.Tensor:
+    """At least float32 for metric sums: bf16 sums over thousands of tokens lose the mean."""
+    return values.to(torch.promote_types(values.dtype, torch.float32))
+
+
 def _clipped_objective(
     ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +138,8 @@ def _token_mean_loss(
             "clipfrac_self": clipped_self / tokens_self.clamp(min=1),
             "clipfrac_peer": clipped_peer / tokens_peer.clamp(min=1),
             "clipfrac": (clipped_self + clipped_peer) / all_tokens,
-            "ratio_mean": _masked(ratio.detach(), present).sum().float() / all_tokens,
-            "ppo_kl": -_masked(log_ratio.detach(), present).sum().float() / all_tokens,
+            "ratio_mean": _wide(_masked(ratio.detach(), present)).sum() / all_tokens,
+            "ppo_kl": -_wide(_masked(log_ratio.detach(), present)).sum() / all_tokens,
             "removed_sequences": (weights == 0).sum().float(),
         }
     return loss, metrics
