@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -61,16 +63,15 @@ class RunStore:
 
     def series(self, run_id: str, key: str) -> pd.Series:
         """History of one metric of one run as a step-indexed Series (empty when never logged)."""
-        grouped = self._by_run_key()
+        grouped = self._positions
         if (run_id, key) not in grouped:
             return pd.Series(dtype=float, name=key)
         rows = self.history.iloc[grouped[(run_id, key)]]
         return pd.Series(rows["value"].to_numpy(), index=rows["step"].to_numpy(), name=key).sort_index()
 
-    def _by_run_key(self) -> dict:
-        if not hasattr(self, "_index"):
-            self._index = self.history.groupby(["run_id", "key"], sort=False).indices
-        return self._index
+    @cached_property
+    def _positions(self) -> dict:
+        return self.history.groupby(["run_id", "key"], sort=False).indices
 
     @property
     def score_scale(self) -> float:
@@ -176,6 +177,9 @@ def load_histories(client: MlflowClient, plan: dict[str, list[str]], progress: b
 
 def load_store(tracking_uri: str, experiments: list[str] | None = None, progress: bool = False) -> RunStore:
     """Read the runs of ``experiments`` (default: every ``graft/*`` experiment) and the histories we use."""
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        # MLflow would silently create an empty database here; a missing file is a wrong path.
+        raise StoreUnavailable(f"no SQLite database at {tracking_uri[len('sqlite:///'):]}")
     client = MlflowClient(tracking_uri=tracking_uri)
     selected = graft_experiments(client, experiments)
     previous_uri = mlflow.get_tracking_uri()

@@ -140,8 +140,10 @@ def _model_spec(rng: np.random.Generator, model: str, role: str, peer: str, n: i
     test = {b: np.clip(quality + offsets[b] + rng.normal(0, 0.01, eval_runs), 0, 1).tolist() for b in benches}
     prompts = None
     if with_prompts:
-        prompts = pd.DataFrame({"step": np.repeat(train_steps, 64), "prompt_id": rng.integers(0, 7500, 64 * steps),
-                                "k": rng.binomial(n, quality, 64 * steps)})
+        # Same seed, same prompt order: both models of a pair see the same prompt ids at each step.
+        prompt_ids = np.arange(64 * steps) % 7500
+        prompts = pd.DataFrame({"step": np.repeat(train_steps, 64), "prompt_id": prompt_ids,
+                                "k": rng.binomial(n, rng.uniform(0.05, 0.6, 64 * steps))})
     return ModelSpec(model, role, peer, n, best, test, metrics, prompts)
 
 
