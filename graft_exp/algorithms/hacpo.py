@@ -215,7 +215,7 @@ def hacpo_policy_loss(
             "clipfrac_peer": clipped_seqs_peer / seqs_peer.clamp(min=1),
             "ratio_mean_self": torch.where(~peer, ratio, 0.0).float().sum() / seqs_self.clamp(min=1),
             "ratio_mean_peer": torch.where(peer, ratio, 0.0).float().sum() / seqs_peer.clamp(min=1),
-            "cross_clip_lower": torch.tensor(lower),
+            "cross_clip_lower": loss.detach().new_tensor(lower),
         }
     return loss, metrics
 
