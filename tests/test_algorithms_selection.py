@@ -196,8 +196,8 @@ def test_sgt_rescue_includes_full_peer_groups_and_is_unbalanced():
 
 def test_exchange_rules_registry():
     k_a, k_b = torch.tensor([8, 2, 1, 0]), torch.tensor([0, 0, 0, 3])
-    assert torch.equal(EXCHANGE_RULES["sgt"](k_a, k_b, 8)[0], mask(0, 1, 2, size=4))
-    assert torch.equal(EXCHANGE_RULES["unbalanced"](k_a, k_b, 8)[0], mask(1, 2, size=4))
+    assert torch.equal(EXCHANGE_RULES["rescue"](k_a, k_b, 8)[0], mask(0, 1, 2, size=4))
+    assert torch.equal(EXCHANGE_RULES["complementary"](k_a, k_b, 8)[0], mask(1, 2, size=4))
     assert torch.equal(EXCHANGE_RULES["balanced"](k_a, k_b, 8)[0], mask(1, size=4))
 
 

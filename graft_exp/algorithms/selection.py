@@ -76,16 +76,17 @@ def sgt_rescue_prompts(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[to
 
 
 def unbalanced_exchange(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. (3) candidates in both directions without balancing (``graft_no_balance``)."""
+    """Eq. (3) candidates in both directions without balancing (``graft_stored``: one direction only)."""
     return balanced_exchange(k_a, k_b, n, balance=False)
 
 
-#: Exchange rules by name, each ``(k_a, k_b, n) -> (a_to_b, b_to_a)``. ``balanced`` is GRAFT (also used
-#: by ``sgt_which`` and ``hacpo_which``), ``unbalanced`` is ``graft_no_balance``, ``sgt`` is SGT's rule.
+#: Exchange rules by the names of ``method.selection``, each ``(k_a, k_b, n) -> (a_to_b, b_to_a)``.
+#: ``balanced`` is GRAFT (also ``sgt_which`` and ``hacpo_which``), ``complementary`` is eq. (3) without
+#: balancing (``graft_stored``), ``rescue`` is SGT's rule (``sgt`` and, per App. G, ``graft_no_balance``).
 EXCHANGE_RULES: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {
     "balanced": balanced_exchange,
-    "unbalanced": unbalanced_exchange,
-    "sgt": sgt_rescue_prompts,
+    "complementary": unbalanced_exchange,
+    "rescue": sgt_rescue_prompts,
 }
 
 
