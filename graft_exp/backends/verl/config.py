@@ -1,0 +1,195 @@
+"""Our composed config (pair x method x train/eval) -> one verl config per trained model.
+
+verl 0.9.1 ships its whole PPO trainer config flattened in ``trainer/config/_generated_ppo_trainer.yaml``
+(verl's CI keeps it equal to the Hydra-composed ``ppo_trainer.yaml``); we load it and set every field the
+paper fixes (Table 3, App. B) from ``train.*``, ``eval.*`` and ``method.*``, and the placement from
+``backend.*``. Nothing here starts Ray or touches a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import verl
+from omegaconf import DictConfig, OmegaConf
+
+#: Reward-free rollouts: the driver scores every response with graft_exp.reward (string level), so the
+#: same verification serves own responses, peer responses and replayed (stored) ones.
+GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+
+#: Where ``python -m graft_exp.prepare`` writes each data set (relative to ``backend.data_dir``).
+TRAIN_FILE = "math/train.parquet"
+
+
+def benchmark_file(bench: str) -> str:
+    return f"{bench}/test.parquet"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which GPUs of the node a model's worker group owns (split resource pools)."""
+
+    gpus: int              # GPUs of this model's pool (FSDP world size)
+    rollout_tp: int        # vLLM tensor parallelism
+    nnodes: int = 1
+
+    @property
+    def rollout_replicas(self) -> int:
+        return self.gpus // self.rollout_tp
+
+
+def placement(cfg: DictConfig) -> Placement:
+    """Split the pair's GPUs into one pool per model (both models run, co-trained or independently)."""
+    per_model = int(cfg.backend.gpus_per_model)
+    if 2 * per_model > int(cfg.pair.gpus):
+        raise ValueError(
+            f"backend.gpus_per_model={per_model} needs {2 * per_model} GPUs but pair.gpus={cfg.pair.gpus}"
+        )
+    tp = int(cfg.backend.rollout_tp)
+    if per_model % tp:
+        raise ValueError(f"backend.gpus_per_model={per_model} is not a multiple of backend.rollout_tp={tp}")
+    return Placement(gpus=per_model, rollout_tp=tp)
+
+
+def model_path(cfg: DictConfig, role: str) -> str:
+    """The prepared local snapshot of the role's model if there is one, else its hub id."""
+    key = cfg.pair[role]
+    local = Path(cfg.backend.model_dir) / key
+    if local.is_dir():
+        return str(local.resolve())
+    hf_id = cfg.models[key].hf_id
+    if not hf_id:
+        raise ValueError(f"model {key!r} has no hf_id: it is a CPU test-bed model, use backend=local")
+    return hf_id
+
+
+def data_files(cfg: DictConfig) -> tuple[str, list[str]]:
+    """(training Parquet, one Parquet per benchmark) under ``backend.data_dir``."""
+    root = Path(cfg.backend.data_dir)
+    if cfg.pair.data != "math":
+        raise ValueError(f"backend=verl trains on MATH; pair.data={cfg.pair.data!r} has no verl Parquet")
+    return str(root / TRAIN_FILE), [str(root / benchmark_file(b)) for b in cfg.pair.benchmarks]
+
+
+def minibatch_prompts(cfg: DictConfig) -> int:
+    """Prompts per optimizer minibatch: Table 3's 32, HACPO's released 64."""
+    if cfg.method.peer_loss == "hacpo":
+        return int(cfg.method.hacpo.minibatch_prompts)
+    return int(cfg.train.minibatch_prompts)
+
+
+def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
+    """The full verl config of the model playing ``role`` ("A" or "B") in this job.
+
+    The model's own worker group, vLLM replicas, tokenizer (its chat template comes with it) and
+    checkpoints all follow from this config; the co-training driver holds one per model.
+    """
+    train, evaluation, method, backend = cfg.train, cfg.eval, cfg.method, cfg.backend
+    place = placement(cfg)
+    train_file, val_files = data_files(cfg)
+    hacpo = method.peer_loss == "hacpo"
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
+
+    base = OmegaConf.load(GENERATED_CONFIG)
+    ours = {
+        "data": {
+            "train_files": train_file,
+            "val_files": val_files,
+            "prompt_key": "prompt",
+            "train_batch_size": int(train.batch_prompts),
+            "max_prompt_length": int(train.max_prompt_length),
+            "max_response_length": int(train.max_response_length),
+            "return_raw_chat": True,
+            "shuffle": True,
+            "seed": int(cfg.seed),
+            "filter_overlong_prompts": True,
+            "truncation": "error",
+            "validation_shuffle": False,
+        },
+        "actor_rollout_ref": {
+            "hybrid_engine": True,
+            "model": {
+                "path": model_path(cfg, role),
+                "use_remove_padding": True,
+                "enable_gradient_checkpointing": bool(backend.gradient_checkpointing),
+            },
+            "actor": {
+                "strategy": "fsdp",
+                "ppo_mini_batch_size": minibatch_prompts(cfg),
+                "ppo_epochs": int(train.ppo_epochs),
+                "shuffle": False,
+                "use_dynamic_bsz": True,
+                "ppo_max_token_len_per_gpu": int(backend.max_token_len_per_gpu),
+                "clip_ratio": float(method.clip_low),
+                "clip_ratio_low": float(method.hacpo.self_clip_low if hacpo else method.clip_low),
+                "clip_ratio_high": float(method.hacpo.self_clip_high if hacpo else method.clip_high),
+                "loss_agg_mode": "token-mean",
+                "entropy_coeff": 0.0,
+                "use_kl_loss": hacpo,
+                "kl_loss_coef": float(method.hacpo.kl_coef),
+                "kl_loss_type": "low_var_kl",
+                "optim": {
+                    "lr": float(train.lr),
+                    "betas": [float(b) for b in train.betas],
+                    "weight_decay": float(train.weight_decay),
+                    "clip_grad": float(train.grad_clip),
+                    "lr_scheduler_type": "constant",
+                    "lr_warmup_steps": 0,
+                    "lr_warmup_steps_ratio": 0.0,
+                },
+                "fsdp_config": {
+                    "param_offload": bool(backend.param_offload),
+                    "optimizer_offload": bool(backend.optimizer_offload),
+                    "dtype": dtype,
+                },
+                "checkpoint": {"save_contents": ["model", "optimizer", "extra", "hf_model"]},
+            },
+            "ref": {"fsdp_config": {"param_offload": True}},
+            "rollout": {
+                "name": "vllm",
+                "mode": "async",
+                "n": int(method.n),
+                "temperature": float(train.temperature),
+                "top_p": float(train.top_p),
+                "top_k": -1,
+                "dtype": dtype,
+                "tensor_model_parallel_size": place.rollout_tp,
+                "gpu_memory_utilization": float(backend.gpu_memory_utilization),
+                "calculate_log_probs": True,
+                "free_cache_engine": True,
+                "checkpoint_engine": {"backend": "naive"},
+                "agent": {"num_workers": int(backend.agent_workers)},
+                "val_kwargs": {
+                    "temperature": float(evaluation.temperature),
+                    "top_p": float(evaluation.top_p),
+                    "top_k": -1,
+                    "n": int(evaluation.samples),
+                    "do_sample": True,
+                },
+            },
+        },
+        "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False},
+        "trainer": {
+            "project_name": f"graft-{cfg.study}",
+            "experiment_name": f"{cfg.pair.name}-{method.name}-s{cfg.seed}-{role}",
+            "logger": [],
+            "nnodes": place.nnodes,
+            "n_gpus_per_node": place.gpus,
+            "total_epochs": int(train.total_epochs),
+            "total_training_steps": None if train.max_steps is None else int(train.max_steps),
+            "test_freq": int(evaluation.val_every),
+            "save_freq": int(backend.save_every),
+            "default_local_dir": checkpoint_dir,
+            "resume_mode": "auto",
+            "val_before_train": False,
+            "device": "cuda",
+            # Minibatch order and DP balance are set by graft_exp (peer-last); see layout.py.
+            "balance_batch": False,
+        },
+    }
+    config = OmegaConf.merge(base, OmegaConf.create(ours))
+    overrides = [str(o) for o in backend.verl_overrides]
+    if overrides:
+        config = OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
+    return config
