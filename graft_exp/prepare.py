@@ -1,0 +1,163 @@
+"""``python -m graft_exp.prepare``: fetch the paper's data and models once, on a machine that reaches the
+Hugging Face Hub, into the directories the verl backend reads (``backend.data_dir`` / ``backend.model_dir``).
+
+Data: the MATH training split (7,500 problems, all levels) and the five benchmarks (MATH500, AIME2024,
+AIME2025, AMC23, Minerva), each as verl Parquet: one row per problem with ``data_source``, ``prompt`` (one
+user message: the problem plus the paper's suffix), ``ability``, ``reward_model.ground_truth`` and
+``extra_info``. Models: a snapshot of every hub model of ``conf/catalog/models.yaml``.
+
+    python -m graft_exp.prepare                      # data and models into ./data and ./models
+    python -m graft_exp.prepare --data-dir /scratch/graft/data --no-models
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from graft_exp.reward import last_boxed
+from graft_exp.tiny.task import format_prompt
+
+CATALOG = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "models.yaml"
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
+
+
+class PrepareError(RuntimeError):
+    """A data set or model cannot be fetched or does not look as expected; the message says why."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one data set lives on the hub and which fields hold the problem and its answer."""
+
+    key: str                      # the bench key (or "math" for the training split)
+    hub_id: str
+    split: str
+    question: str
+    answer: str                   # field holding the gold answer; "solution" -> its last \boxed{}
+    rows: int                     # the paper's size, checked after loading
+    configs: tuple[str, ...] = ()  # hub configs to concatenate (MATH's subjects)
+    output: str = "test"          # Parquet file name under <data_dir>/<key>/
+
+
+SOURCES = {
+    "math": Source("math", "EleutherAI/hendrycks_math", "train", "problem", "solution", 7500, MATH_SUBJECTS, "train"),
+    "math500": Source("math500", "HuggingFaceH4/MATH-500", "test", "problem", "answer", 500),
+    "aime2024": Source("aime2024", "HuggingFaceH4/aime_2024", "train", "problem", "answer", 30),
+    "aime2025": Source("aime2025", "yentinglin/aime_2025", "train", "problem", "answer", 30),
+    "amc23": Source("amc23", "math-ai/amc23", "test", "question", "answer", 40),
+    "minerva": Source("minerva", "math-ai/minervamath", "test", "question", "answer", 272),
+}
+
+
+def gold_answer(record: dict, source: Source) -> str:
+    """The reference answer of one record: the field itself, or the last ``\\boxed{}`` of a worked
+    solution (MATH's training split has no separate answer field)."""
+    value = record[source.answer]
+    if source.answer == "solution":
+        boxed = last_boxed(str(value))
+        if boxed is None:
+            raise PrepareError(f"{source.key}: a solution has no \\boxed{{}} answer: {str(value)[:120]!r}")
+        return boxed
+    return str(value)
+
+
+def verl_rows(records: Iterable[dict], source: Source) -> pd.DataFrame:
+    """verl's RL Parquet schema for ``records`` (dicts with the source's fields), in their order."""
+    rows = []
+    for index, record in enumerate(records):
+        question = str(record[source.question]).strip()
+        rows.append({
+            "data_source": source.key,
+            "prompt": [{"role": "user", "content": format_prompt(question)}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": gold_answer(record, source)},
+            "extra_info": {"split": source.output, "index": index, "question": question},
+        })
+    return pd.DataFrame(rows)
+
+
+def write_parquet(frame: pd.DataFrame, source: Source, data_dir: Path, check_rows: bool = True) -> Path:
+    """Write one data set to ``<data_dir>/<key>/<output>.parquet`` (checking the paper's row count)."""
+    if check_rows and len(frame) != source.rows:
+        raise PrepareError(f"{source.key}: {source.hub_id} gave {len(frame)} rows, the paper's set has {source.rows}")
+    path = data_dir / source.key / f"{source.output}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(path, index=False)
+    return path
+
+
+def _hub_error(what: str, err: Exception) -> PrepareError:
+    return PrepareError(
+        f"cannot fetch {what} from the Hugging Face Hub ({type(err).__name__}: {err}). Run "
+        "`python -m graft_exp.prepare` on a machine with Hub access (HF_ENDPOINT selects a mirror; "
+        "HF_TOKEN a login), then copy the data and model directories to the cluster.")
+
+
+def load_records(source: Source) -> list[dict]:
+    """All records of a hub data set (its configs concatenated), as dicts."""
+    from datasets import load_dataset
+
+    records: list[dict] = []
+    for config in source.configs or (None,):
+        try:
+            records.extend(load_dataset(source.hub_id, config, split=source.split))
+        except Exception as err:  # datasets raises many kinds (connection, offline, missing repo)
+            raise _hub_error(f"data set {source.hub_id}" + (f" ({config})" if config else ""), err) from err
+    return records
+
+
+def fetch_model(hf_id: str, target: Path) -> Path:
+    """A full snapshot of a hub model in ``target`` (reused when already complete)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id=hf_id, local_dir=str(target))
+    except Exception as err:  # connection, offline mode, gated repo
+        raise _hub_error(f"model {hf_id}", err) from err
+    return target
+
+
+def hub_models() -> dict[str, str]:
+    """Model key -> hub id of every catalog model that lives on the hub."""
+    catalog = OmegaConf.load(CATALOG)
+    return {key: entry.hf_id for key, entry in catalog.items() if entry.hf_id}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graft_exp.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("GRAFT_DATA_DIR", "data")))
+    parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get("GRAFT_MODEL_DIR", "models")))
+    parser.add_argument("--sets", default=",".join(SOURCES), help="comma-separated data sets (default: all)")
+    parser.add_argument("--models", default=",".join(hub_models()), help="comma-separated model keys")
+    parser.add_argument("--no-models", action="store_true", help="fetch data only")
+    args = parser.parse_args(argv)
+    try:
+        for key in [s for s in args.sets.split(",") if s]:
+            if key not in SOURCES:
+                raise PrepareError(f"unknown data set {key!r}; choose from {', '.join(SOURCES)}")
+            source = SOURCES[key]
+            path = write_parquet(verl_rows(load_records(source), source), source, args.data_dir)
+            print(f"{key}: {source.rows} problems -> {path}")
+        if not args.no_models:
+            known = hub_models()
+            for key in [m for m in args.models.split(",") if m]:
+                if key not in known:
+                    raise PrepareError(f"unknown hub model {key!r}; choose from {', '.join(known)}")
+                print(f"{key}: {fetch_model(known[key], args.model_dir / key)}")
+    except PrepareError as err:
+        print(f"prepare: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
