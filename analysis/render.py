@@ -201,7 +201,9 @@ def ablation_tex(table: Table) -> str:
         for items in _ablation_lines(table, subtable):
             first = items[0]
             if isinstance(first, Band):
-                lines += [r"\midrule", rf"\multicolumn{{{width}}}{{l}}{{\emph{{{tex_text(first.text)}}}}} \\"]
+                if lines[-1] != r"\midrule":
+                    lines.append(r"\midrule")
+                lines.append(rf"\multicolumn{{{width}}}{{l}}{{\emph{{{tex_text(first.text)}}}}} \\")
                 continue
             cells = [c for row in items for c in (_tex_cell(row, AVG), _delta_tex(row))]
             if first.method == "grpo_n8":
