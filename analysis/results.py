@@ -126,8 +126,7 @@ class Analysis:
 
     def scores(self, run_id: str, benches: list[str]) -> pd.DataFrame:
         """Evaluation runs x (benches + avg) of a run's selected checkpoint, in percent."""
-        history = self.store.history
-        return rules.eval_scores(history[history["run_id"] == run_id], benches, self.scale)
+        return rules.eval_scores(self.store.run_history(run_id), benches, self.scale)
 
     def best_step(self, run_id: str) -> float:
         """The run's selected checkpoint: its ``graft.best_step`` tag, else the best validation step."""

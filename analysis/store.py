@@ -69,6 +69,15 @@ class RunStore:
         rows = self.history.iloc[grouped[(run_id, key)]]
         return pd.Series(rows["value"].to_numpy(), index=rows["step"].to_numpy(), name=key).sort_index()
 
+    def run_history(self, run_id: str) -> pd.DataFrame:
+        """Every loaded history row of one run (``key, step, value``)."""
+        positions = self._run_positions.get(run_id)
+        return self.history.iloc[positions if positions is not None else []]
+
+    @cached_property
+    def _run_positions(self) -> dict:
+        return self.history.groupby("run_id", sort=False).indices
+
     @cached_property
     def _positions(self) -> dict:
         return self.history.groupby(["run_id", "key"], sort=False).indices
