@@ -74,6 +74,11 @@ METHOD_DISPLAY = {
     "graft_luffy": "GRAFT + LUFFY update",
 }
 
+#: Methods drawn in the validation-curve figure, costed in the compute table and Fig. 3, and in the clip table.
+CURVE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "hacpo", "sgt", "graft")
+COMPUTE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft", "graft_stored")
+CLIP_METHODS = ("graft_peer_first", "graft_peer_uniform", "graft")
+
 ABLATION_COMPONENTS = (
     "graft_no_gate", "graft_no_floor", "graft_no_balance", "graft_seq_ratio",
     "graft_random_prompts", "graft_random_admission", "graft_peer_first", "graft_peer_uniform",

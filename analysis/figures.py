@@ -20,7 +20,7 @@ from analysis import catalog, rules, tables
 from analysis.results import Analysis
 
 log = logging.getLogger("analysis")
-CURVE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "hacpo", "sgt", "graft")
+CURVE_METHODS = catalog.CURVE_METHODS
 COLORS = {"grpo_n8": "#9aa5b1", "grpo_n16": "#6b7785", "grpo_n32": "#3d4853", "grpo_ds": "#8c6bb1",
           "hacpo": "#e6a141", "sgt": "#4a90c2", "graft": "#c0392b", "graft_stored": "#e07b6a"}
 

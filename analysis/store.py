@@ -21,14 +21,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from rich.progress import Progress
 
-#: Metric keys whose history the tables and figures read (prefixes end with "/").
+from analysis import catalog
+
+#: Score metrics (logged as fractions or percent; see ``RunStore.score_scale``).
 HISTORY_PREFIXES = ("test/", "val/")
-HISTORY_KEYS = (
-    "cost/gpu_hours",
-    "train/clipfrac_self",
-    "train/clipfrac_peer",
-    "train/peer_admitted",
-)
 TAGS = ("method", "pair", "seed", "model", "peer", "role", "n", "best_step", "run_key", "study")
 _BULK_CHUNK = 500  # run ids per bulk query, far below SQLite's bound-parameter limit
 _HISTORY_COLUMNS = ["run_id", "key", "step", "value", "timestamp"]
@@ -137,17 +133,34 @@ def _tidy_runs(raw: pd.DataFrame, experiments: dict[str, str]) -> pd.DataFrame:
 
 
 def _history_plan(runs: pd.DataFrame) -> dict[str, list[str]]:
-    """Metric key -> run ids that logged it (read from the latest-metric columns of search_runs)."""
+    """Metric key -> the run ids whose history of it the tables and figures read.
+
+    Reading a history costs MLflow ~30 us per value, so only what is used is read: ``test/<bench>`` of every
+    model run (a handful of values each); ``val/avg`` for the validation-curve figure (first runs of its
+    methods) and for runs without a ``graft.best_step`` tag; cumulative ``cost/gpu_hours`` of the first runs
+    of the costed methods and of their jobs; clipping metrics of the first runs of the clip-dynamics methods.
+    """
+    def logged(key, selected):
+        column = f"metric:{key}"
+        if column not in runs:
+            return []
+        return runs.index[selected & runs[column].notna()].tolist()
+
+    model, first = runs["is_model"], runs["seed"].eq(0)
+    costed = model & first & runs["method"].isin(catalog.COMPUTE_METHODS)
+    costed_jobs = runs.index.isin(runs.loc[costed, "parent_id"].dropna())
     plan = {}
     for column in runs.columns:
-        if not column.startswith("metric:"):
-            continue
         key = column[len("metric:"):]
-        if key.startswith(HISTORY_PREFIXES) or key in HISTORY_KEYS:
-            run_ids = runs.index[runs[column].notna()].tolist()
-            if run_ids:
-                plan[key] = run_ids
-    return plan
+        if column.startswith("metric:test/") and key != "test/avg":
+            plan[key] = logged(key, model)
+    plan["val/avg"] = logged("val/avg", model & ((first & runs["method"].isin(catalog.CURVE_METHODS))
+                                                 | runs["best_step"].isna()))
+    plan["cost/gpu_hours"] = logged("cost/gpu_hours", costed | costed_jobs)
+    clipped = model & first & runs["method"].isin(catalog.CLIP_METHODS)
+    for key in ("train/clipfrac_self", "train/clipfrac_peer", "train/peer_admitted"):
+        plan[key] = logged(key, clipped)
+    return {key: run_ids for key, run_ids in plan.items() if run_ids}
 
 
 def _bulk_histories(store, key: str, run_ids: list[str]) -> list[tuple]:

@@ -294,7 +294,7 @@ def replay_results(a: Analysis) -> Table:
     return table
 
 
-COMPUTE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft", "graft_stored")
+COMPUTE_METHODS = catalog.COMPUTE_METHODS
 #: Methods whose two models train in separate runs: the pair's cost is the sum of the two runs' costs.
 SEPARATE_RUN_METHODS = (*catalog.SINGLE_MODEL_METHODS, "graft_stored")
 
@@ -355,7 +355,7 @@ def compute(a: Analysis) -> Table:
     return table
 
 
-CLIP_ORDERINGS = (("graft_peer_first", "First"), ("graft_peer_uniform", "Uniform"), ("graft", "Last (ours)"))
+CLIP_ORDERINGS = tuple(zip(catalog.CLIP_METHODS, ("First", "Uniform", "Last (ours)")))
 
 
 def clipfrac_position(a: Analysis) -> Table:
