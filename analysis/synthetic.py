@@ -177,7 +177,7 @@ def _jobs_for(rng, method, pair, seed, study, delta, model_a, model_b, quality, 
               eval_runs, val_every, grpo_done) -> list[JobSpec]:
     n = int(method.rsplit("_n", 1)[1]) if method.startswith("grpo_n") else 8
     params = {"method.n": n, "method.delta": delta if delta is not None else catalog.DEFAULT_DELTA,
-              "train.lr": 1e-6, "train.epochs": 3, "data.train_batch_size": 128, "rollout.temperature": 1.0}
+              "train.lr": 1e-6, "train.total_epochs": 3, "train.batch_prompts": 128, "train.temperature": 1.0}
     common = {"steps": steps, "benches": benches, "eval_runs": eval_runs, "val_every": val_every}
     gain = 0.0 if method.startswith("grpo") else rng.uniform(-0.02, 0.05)
     if method in catalog.SINGLE_MODEL_METHODS:

@@ -379,37 +379,36 @@ def clipfrac_position(a: Analysis) -> Table:
                  kind="clipfrac", frame_override=frame.drop(columns=["zero_peer_steps", "peer_steps"]))
 
 
-#: Table 3 (App. B) rows -> the last component(s) of the flattened config keys that hold them.
+#: Table 3 (App. B) rows -> the flattened config keys (conf/config.yaml, conf/method) that hold them.
 HPARAM_ROWS = (
-    ("Training epochs", ("epochs", "total_epochs", "num_epochs")),
-    ("Prompt batch size", ("batch_size", "train_batch_size", "prompt_batch_size", "batch_prompts")),
-    ("Rollouts per prompt per model", ("n", "rollout_n", "num_rollouts")),
-    ("Optimization minibatch size (prompts)", ("minibatch_size", "ppo_mini_batch_size", "minibatch_prompts",
-                                               "mini_batch_size")),
-    ("Optimization epochs per rollout batch", ("ppo_epochs", "update_epochs", "optim_epochs")),
-    ("Maximum prompt length", ("max_prompt_length", "prompt_length")),
-    ("Maximum response length", ("max_response_length", "response_length")),
-    ("Rollout temperature", ("temperature",)),
-    ("Rollout top-p", ("top_p",)),
-    ("Optimizer", ("optimizer", "optim_name")),
-    ("Learning rate", ("lr", "learning_rate")),
-    ("LR schedule / warmup", ("lr_schedule", "scheduler", "warmup_steps", "lr_warmup_steps")),
-    ("Adam coefficients (β1, β2)", ("betas",)),
-    ("Weight decay", ("weight_decay",)),
-    ("Maximum gradient norm", ("grad_clip", "max_grad_norm", "grad_norm")),
-    ("PPO clipping ε_low", ("clip_low", "clip_ratio_low", "eps_low", "epsilon_low")),
-    ("PPO clipping ε_high", ("clip_high", "clip_ratio_high", "eps_high", "epsilon_high")),
-    ("GRPO normalization stabilizer", ("adv_eps", "norm_eps", "advantage_eps", "epsilon")),
-    ("KL coefficient", ("kl_coef", "kl_loss_coef", "kl")),
-    ("Entropy coefficient", ("entropy_coef", "entropy_coeff", "entropy")),
-    ("Precision", ("dtype", "precision")),
+    ("Training epochs", ("train.total_epochs",)),
+    ("Prompt batch size", ("train.batch_prompts",)),
+    ("Rollouts per prompt per model", ("method.n",)),
+    ("Optimization minibatch size (prompts)", ("train.minibatch_prompts",)),
+    ("Optimization epochs per rollout batch", ("train.ppo_epochs",)),
+    ("Maximum prompt length", ("train.max_prompt_length",)),
+    ("Maximum response length", ("train.max_response_length",)),
+    ("Rollout temperature", ("train.temperature",)),
+    ("Rollout top-p", ("train.top_p",)),
+    ("Optimizer", ("train.optimizer",)),
+    ("Learning rate", ("train.lr",)),
+    ("LR warm-up steps (constant schedule)", ("train.lr_warmup_steps",)),
+    ("Adam coefficients (β1, β2)", ("train.betas",)),
+    ("Weight decay", ("train.weight_decay",)),
+    ("Maximum gradient norm", ("train.grad_clip",)),
+    ("PPO clipping ε_low", ("method.clip_low",)),
+    ("PPO clipping ε_high", ("method.clip_high",)),
+    ("GRPO normalization stabilizer", ("method.adv_eps",)),
+    ("KL coefficient", ("train.kl_coef",)),
+    ("Entropy coefficient", ("train.entropy_coef",)),
+    ("Precision", ("train.precision",)),
 )
 HPARAM_METHODS = ("graft", "grpo_n8")
 
 
 def _hparam_keys(params: list[str], names: tuple[str, ...]) -> list[str]:
-    """Config keys whose last component is one of ``names`` (all of them, e.g. data.* and rollout.*)."""
-    return sorted(k for k in params if k.rsplit(".", 1)[-1] in names)
+    """Those of ``names`` that the job runs logged."""
+    return [k for k in names if k in params]
 
 
 def training_hparams(a: Analysis) -> Table:

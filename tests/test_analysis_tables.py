@@ -38,7 +38,7 @@ def joint(method, seed, test_s, test_q, study="main", params=None, metrics_s=Non
     models = [ModelSpec(S, "A", Q, 8, best[0], test_s, metrics_s or {}) if test_s is not None else None,
               ModelSpec(Q, "B", S, 8, best[1], test_q, metrics_q or {}) if test_q is not None else None]
     return JobSpec(method, "pair1", seed, [m for m in models if m], study,
-                   {"train.lr": 1e-6, **(params or {})}, job_metrics or {})
+                   {"train.lr": 1e-6, "train.batch_prompts": 128, "train.total_epochs": 3, **(params or {})}, job_metrics or {})
 
 
 def steps(f, last=10, every=1):
@@ -221,6 +221,8 @@ def test_training_hparams_from_job_params(built):
     frame = tables["training-hparams"].frame().set_index("hyperparameter")
     assert frame.loc["Learning rate", "value"] == "1e-06"
     assert frame.loc["Learning rate", "param_keys"] == "train.lr"
+    assert frame.loc["Prompt batch size", "value"] == "128"
+    assert frame.loc["Training epochs", "param_keys"] == "train.total_epochs"
     assert pd.isna(frame.loc["Optimizer", "value"])
 
 
