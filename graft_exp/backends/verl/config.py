@@ -8,14 +8,14 @@ paper fixes (Table 3, App. B) from ``train.*``, ``eval.*`` and ``method.*``, and
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import verl
 from omegaconf import DictConfig, OmegaConf
 
-#: Reward-free rollouts: the driver scores every response with graft_exp.reward (string level), so the
-#: same verification serves own responses, peer responses and replayed (stored) ones.
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
 #: Where ``python -m graft_exp.prepare`` writes each data set (relative to ``backend.data_dir``).
@@ -79,6 +79,11 @@ def minibatch_prompts(cfg: DictConfig) -> int:
     return int(cfg.train.minibatch_prompts)
 
 
+@lru_cache(maxsize=1)
+def _generated() -> DictConfig:
+    return OmegaConf.load(GENERATED_CONFIG)
+
+
 def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
     """The full verl config of the model playing ``role`` ("A" or "B") in this job.
 
@@ -91,7 +96,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
     hacpo = method.peer_loss == "hacpo"
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
 
-    base = OmegaConf.load(GENERATED_CONFIG)
+    base = copy.deepcopy(_generated())
     ours = {
         "data": {
             "train_files": train_file,
@@ -103,7 +108,9 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
             "return_raw_chat": True,
             "shuffle": True,
             "seed": int(cfg.seed),
-            "filter_overlong_prompts": True,
+            # MATH prompts are far below 2,048 tokens for every model; filtering would depend on the tokenizer
+            # and could give the two models different prompt sets, so an overlong prompt is an error instead.
+            "filter_overlong_prompts": False,
             "truncation": "error",
             "validation_shuffle": False,
         },
