@@ -95,6 +95,11 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
     train_file, val_files = data_files(cfg)
     hacpo = method.peer_loss == "hacpo"
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
+    optimizer = {"adamw": "AdamW"}[str(train.optimizer).lower()]
+    kl_coef = float(method.hacpo.kl_coef) if hacpo else float(train.kl_coef)
+    if method.co_train and not hacpo and (float(train.kl_coef) or float(train.entropy_coef)):
+        raise ValueError("train.kl_coef / train.entropy_coef > 0 are verl's GRPO terms; the exchange methods' loss "
+                         "(graft_exp.backends.verl.loss) has no KL or entropy term (the paper uses none)")
 
     base = copy.deepcopy(_generated())
     ours = {
@@ -132,17 +137,18 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
                 "clip_ratio_low": float(method.hacpo.self_clip_low if hacpo else method.clip_low),
                 "clip_ratio_high": float(method.hacpo.self_clip_high if hacpo else method.clip_high),
                 "loss_agg_mode": "token-mean",
-                "entropy_coeff": 0.0,
-                "use_kl_loss": hacpo,
-                "kl_loss_coef": float(method.hacpo.kl_coef),
+                "entropy_coeff": float(train.entropy_coef),
+                "use_kl_loss": kl_coef > 0,
+                "kl_loss_coef": kl_coef,
                 "kl_loss_type": "low_var_kl",
                 "optim": {
+                    "optimizer": optimizer,
                     "lr": float(train.lr),
                     "betas": [float(b) for b in train.betas],
                     "weight_decay": float(train.weight_decay),
                     "clip_grad": float(train.grad_clip),
                     "lr_scheduler_type": "constant",
-                    "lr_warmup_steps": 0,
+                    "lr_warmup_steps": int(train.lr_warmup_steps),
                     "lr_warmup_steps_ratio": 0.0,
                 },
                 "fsdp_config": {

@@ -88,7 +88,8 @@ class Trainer:
 
     # --- setup ------------------------------------------------------------------------------------
     def start(self) -> None:
-        start_models(list(self.models.values()), with_ref=self.method.peer_loss == "hacpo")
+        with_ref = bool(next(iter(self.models.values())).config.actor_rollout_ref.actor.use_kl_loss)
+        start_models(list(self.models.values()), with_ref=with_ref)
         first = next(iter(self.models.values()))
         data = first.config.data
         self.train_set = RLHFDataset(data_files=data.train_files, tokenizer=first.tokenizer, config=data)
