@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -126,13 +127,19 @@ class Trainer:
                  for i in range(size)]
         batch = DataProto.from_single_dict(collate_fn([self.train_set[i] for i in index]))
         batch.non_tensor_batch["graft_prompt_id"] = np.asarray(index, dtype=np.int64)
+        batch.non_tensor_batch["uid"] = np.asarray([str(uuid.uuid4()) for _ in index], dtype=object)
         return batch
 
     # --- one model's rollouts ---------------------------------------------------------------------
     def rollout(self, role: str, prompts: DataProto, step: int, validate: bool = False) -> dict:
         model = self.models[role]
         n = int(model.config.actor_rollout_ref.rollout.val_kwargs.n if validate else self.method.n)
-        out = model.generate(prompts.repeat(repeat_times=n, interleave=True), step, validate)
+        repeated = prompts.repeat(repeat_times=n, interleave=True)
+        out = model.generate(repeated, step, validate)
+        # The agent loop returns rows in input order; carry the prompt-level columns over (as verl's union).
+        for key in ("graft_prompt_id", "data_source", "reward_model", "extra_info", "uid"):
+            if key in repeated.non_tensor_batch:
+                out.non_tensor_batch[key] = repeated.non_tensor_batch[key]
         texts, finished = vb.decode_responses(out, model.tokenizer)
         golds = [r["ground_truth"] for r in out.non_tensor_batch["reward_model"]]
         rewards = torch.tensor(reward.rewards(texts, golds)).view(-1, n)
@@ -197,9 +204,11 @@ class Trainer:
             a_to_b, b_to_a = select_prompts(self.method, k["A"], k["B"], n, self.generator)
         selected = {"B": a_to_b, "A": b_to_a}
         hacpo_which = None
-        if self.method.peer_loss == "hacpo" and self.method.name == "hacpo_which":
-            hacpo_which = dict(zip(("B", "A"), select_prompts(_balanced(self.method), k["A"], k["B"], n,
-                                                              self.generator), strict=True))
+        if self.method.peer_loss == "hacpo" and self.method.selection != "all":
+            # hacpo_which: peer rows of every prompt, HACPO advantages kept only on the selected prompts.
+            hacpo_which = dict(selected)
+            every = torch.ones_like(a_to_b)
+            selected = {"A": every, "B": every}
         metrics = {role: {} for role in ROLES}
         for receiver, source in (("A", "B"), ("B", "A")):
             src = sources[receiver]
@@ -388,15 +397,6 @@ def _download_stored_log(job: tracking.TrackedRun, cfg: DictConfig, peer: str, t
                            f"backend verl; train it first (method=grpo_n8)")
     target.mkdir(parents=True, exist_ok=True)
     return Path(job.client.download_artifacts(runs[0].info.run_id, "trajectories", str(target)))
-
-
-def _balanced(method):
-    """The method config with GRAFT's balanced selection (``hacpo_which``'s prompt rule)."""
-    from omegaconf import OmegaConf
-
-    copy = OmegaConf.to_container(method, resolve=True)
-    copy["selection"] = "balanced"
-    return OmegaConf.create(copy)
 
 
 def _subset_groups(result: dict, keep: torch.Tensor) -> dict:
