@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+
 import hydra
 from omegaconf import DictConfig
 
@@ -24,6 +25,9 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(2) from err
     try:
         job = tracking.open_job(cfg)
+    except tracking.AlreadyRunning as err:
+        log.warning("skip: %s", err)
+        return
     except tracking.TrackingError as err:
         log.error("%s", err)
         raise SystemExit(2) from err
@@ -33,12 +37,15 @@ def main(cfg: DictConfig) -> None:
         return
     if job.resumed:
         log.info("resuming MLflow run %s (graft.run_key=%s)", job.run_id, tracking.run_key(cfg))
+    # A preempted or timed-out Slurm job leaves through SystemExit (submitit checkpoints, requeues
+    # and exits): the run stays RUNNING, and the requeued job resumes it by its run_key.
     try:
         get_trainer(cfg.backend.name)(cfg, job)
     except KeyboardInterrupt:
         job.finish("KILLED")
         raise
     except Exception:
+        log.exception("job failed: MLflow run %s marked FAILED (a re-launch resumes it)", job.run_id)
         job.finish("FAILED")
         raise
     job.finish("FINISHED")

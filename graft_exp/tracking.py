@@ -12,13 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
+
+from graft_exp.launching import scheduler
 
 # Config sections that say where or how a job runs, not what it computes.
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")
@@ -82,32 +87,83 @@ def experiment_name(cfg: DictConfig) -> str:
     return f"graft/{cfg.study}"
 
 
+def check_store(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail fast, with the fix in the message, when ``uri`` cannot take runs: a SQLite file in a
+    missing or read-only place, or a tracking server that does not answer its health check."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        place = db if db.exists() else db.parent
+        if not place.exists() or not os.access(place, os.W_OK):
+            raise TrackingError(f"cannot write the MLflow store {uri}: {place} is missing or not "
+                                "writable; set tracking.uri to a writable location")
+    elif uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+        except requests.RequestException as err:
+            raise TrackingError(
+                f"the MLflow tracking server {uri} does not answer ({type(err).__name__}: {err}). "
+                "Start it (mlflow server --backend-store-uri postgresql://... "
+                "--artifacts-destination ...) or fix MLFLOW_TRACKING_URI, then launch again."
+            ) from err
+
+
+def _upgrade_schema(uri: str) -> None:
+    """Migrate an out-of-date database store with MLflow's own ``mlflow db upgrade`` (a SQLite
+    file is copied to ``<file>.before-upgrade`` first, as MLflow asks)."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        shutil.copy2(db, db.with_name(db.name + ".before-upgrade"))
+    done = subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", uri],
+                          check=False, capture_output=True, text=True)
+    if done.returncode:
+        raise TrackingError(f"mlflow db upgrade {uri} failed:\n{done.stderr[-2000:]}")
+
+
 def ensure_store(uri: str, experiment: str) -> str:
-    """Create (or migrate) the store and the experiment, from the launching process.
+    """Create (or migrate) the store and the experiment, from the launching process; return the
+    experiment id.
 
     Concurrent first-time SQLite schema creation crashes jobs, so this runs once before any job
     starts. An unreachable server or unwritable store fails here, before anything is launched.
     """
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
-        if not db.parent.exists() or not os.access(db.parent, os.W_OK):
-            raise TrackingError(f"cannot write the MLflow store {uri}: directory {db.parent} is "
-                                "missing or not writable; set tracking.uri to a writable location")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    check_store(uri)
     try:
-        client = MlflowClient(uri)
-        exp = client.get_experiment_by_name(experiment)
+        try:
+            client = MlflowClient(uri)
+            exp = client.get_experiment_by_name(experiment)
+        except MlflowException as err:
+            if "out-of-date database schema" not in str(err):
+                raise
+            _upgrade_schema(uri)
+            client = MlflowClient(uri)
+            exp = client.get_experiment_by_name(experiment)
         if exp is None:
             return client.create_experiment(experiment)
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
+    except TrackingError:
+        raise
     except Exception as err:  # MLflow raises many kinds; all mean the same thing to the user
         raise TrackingError(
             f"MLflow tracking store {uri} is not usable ({type(err).__name__}: {err}). "
             "Start the server / fix tracking.uri (or MLFLOW_TRACKING_URI) and launch again."
         ) from err
+
+
+def accounted_gpus(cfg: DictConfig) -> int:
+    """N_GPU of ``cost/gpu_hours`` (paper App. D: N_GPU x summed per-step training wall time).
+
+    The GPUs Slurm allocated to this job (``SLURM_GPUS_ON_NODE`` x nodes) when it runs under Slurm
+    with GPUs, else what the pair asks for (``pair.gpus``: 4 for pair1..3, as in the paper). A
+    CPU-only job (the tiny pair) is charged as one device so that its compute curves keep a scale.
+    """
+    on_node = os.environ.get("SLURM_GPUS_ON_NODE")
+    if on_node and on_node.isdigit() and int(on_node) > 0:
+        return int(on_node) * int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    return max(int(cfg.pair.gpus), 1)
 
 
 @dataclass
@@ -172,39 +228,71 @@ def find_run(client: MlflowClient, key: str):
     return runs[0] if runs else None
 
 
+class AlreadyRunning(TrackingError):
+    """Another live process (Slurm job or local process) is writing the run of this key."""
+
+
 def _open(client: MlflowClient, experiment_id: str, key: str, tags: dict, run_name: str,
           rerun: bool) -> TrackedRun | None:
-    """Find-or-create by key: None if FINISHED (and not rerun), the same run if unfinished."""
+    """Find-or-create by key: None if FINISHED (and not rerun), the same run if unfinished.
+
+    ``rerun`` only lets a FINISHED run be trained again; an unfinished one is always resumed, so
+    that a requeued ``rerun=true`` job continues its new run instead of starting a third.
+    """
     found = find_run(client, key)
-    if found is not None and not rerun:
-        if found.info.status == "FINISHED":
-            return None
+    if found is not None and found.info.status == "FINISHED" and not rerun:
+        return None
+    if found is not None and found.info.status != "FINISHED":
         client.update_run(found.info.run_id, status="RUNNING")
         return TrackedRun(client, found.info.run_id, resumed=True)
     run = client.create_run(experiment_id, tags={"graft.run_key": key, **tags}, run_name=run_name)
     return TrackedRun(client, run.info.run_id)
 
 
+def _refuse_live_duplicate(client: MlflowClient, key: str) -> None:
+    """Raise AlreadyRunning when the unfinished run of ``key`` is being written by another live
+    job: launching a sweep twice must not make two processes train into one run. The same Slurm
+    job coming back after a requeue is not another job."""
+    found = find_run(client, key)
+    if found is None or found.info.status != "RUNNING":
+        return
+    tags = found.data.tags
+    me = scheduler.slurm_job_id()
+    if tags.get("graft.slurm_job_id"):
+        if tags["graft.slurm_job_id"] == me:
+            return
+        alive = scheduler.liveness(tags, scheduler.slurm_queue())
+    elif tags.get("graft.pid") == str(os.getpid()) and not me:
+        return
+    else:
+        alive = scheduler.liveness(tags, None)
+    if alive:
+        where = tags.get("graft.slurm_job_id") or f"pid {tags.get('graft.pid')} on {tags.get('graft.host')}"
+        raise AlreadyRunning(f"run {found.info.run_id} (graft.run_key={key}) is being trained by {where}; "
+                             "not starting a second copy")
+
+
 def common_tags(cfg: DictConfig) -> dict[str, str]:
-    tags = {
+    """Tags of job and model runs: what the run is, and where it runs now."""
+    return {
         "graft.study": cfg.study, "graft.method": cfg.method.name, "graft.pair": cfg.pair.name,
         "graft.seed": str(cfg.seed), "graft.backend": cfg.backend.name,
+        **scheduler.location_tags(),
     }
-    slurm_id = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if slurm_id:
-        task = os.environ.get("SLURM_ARRAY_TASK_ID")
-        tags["graft.slurm_job_id"] = f"{slurm_id}_{task}" if task else slurm_id
-    return tags
 
 
 def open_job(cfg: DictConfig) -> TrackedRun | None:
-    """The job run of ``cfg`` (new or resumed), or None when a FINISHED run exists and not rerun."""
+    """The job run of ``cfg`` (new or resumed), or None when a FINISHED run exists and not rerun.
+
+    Raises AlreadyRunning when another live job is training this key right now."""
     uri = cfg.tracking.uri
     experiment_id = ensure_store(uri, experiment_name(cfg))
     client = MlflowClient(uri)
+    key = run_key(cfg)
+    _refuse_live_duplicate(client, key)
     tags = {**common_tags(cfg), "graft.git_sha": git_sha()}
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
-    job = _open(client, experiment_id, run_key(cfg), tags, name, cfg.rerun)
+    job = _open(client, experiment_id, key, tags, name, cfg.rerun)
     if job is not None:
         job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
         job.log_params(flatten(OmegaConf.to_container(cfg, resolve=True)))
@@ -212,16 +300,22 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
 
 
 def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | None:
-    """The model run of ``role`` under ``job`` (new or resumed), or None if that model's run is
-    FINISHED already (e.g. a GRPO baseline trained for another pair)."""
+    """The model run of ``role`` under ``job`` (new or resumed), or None when this job must not
+    train that model: its run is FINISHED already (e.g. a GRPO baseline trained for another pair),
+    or it belongs to another job run (a shared baseline that job is training, or will resume)."""
     other = "B" if role == "A" else "A"
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, "graft.model": cfg.pair[role],
         "graft.peer": cfg.pair[other] if cfg.method.co_train else "none",
         "graft.role": role, "graft.n": str(cfg.method.n),
     }
+    key = model_run_key(cfg, role)
+    found = find_run(job.client, key)
+    if found is not None and found.info.status != "FINISHED" and found.data.tags.get(PARENT_TAG) != job.run_id:
+        return None
     experiment_id = job.client.get_run(job.run_id).info.experiment_id
     name = f"{cfg.pair[role]}-{cfg.method.name}-s{cfg.seed}"
-    return _open(job.client, experiment_id, model_run_key(cfg, role), tags, name, cfg.rerun)
-
-
+    run = _open(job.client, experiment_id, key, tags, name, cfg.rerun)
+    if run is not None and run.resumed:
+        run.set_tags(common_tags(cfg))
+    return run

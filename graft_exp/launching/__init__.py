@@ -1,0 +1,1 @@
+"""Launching jobs and sweeps: pre-launch checks (Hydra callback), scheduler state, sweep files."""

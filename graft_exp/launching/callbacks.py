@@ -1,0 +1,196 @@
+"""Hydra callback that closes the holes Hydra's launchers leave (every ``cluster`` option installs it).
+
+In the launching process, before any job starts (``on_multirun_start``):
+  * every job of the multirun is composed and validated, so a bad point stops the sweep at once;
+  * the MLflow store and each job's experiment are created (or migrated) and the tracking server
+    is checked: concurrent first-time SQLite schema creation crashes jobs, and a dead server
+    must fail before submission, not in hundreds of jobs;
+  * on a parallel cluster, two jobs that would train one shared GRPO baseline at the same time
+    are refused (``python -m graft_exp.sweep`` orders such jobs).
+While the jobs run, a monitor thread reports each failed or crashed job with its log as soon as
+MLflow or Slurm shows it (Hydra's submitit launcher would report failures only at the end).
+
+In a job process (``on_job_end``): a failed job under submitit exits non-zero, so Slurm marks it
+FAILED instead of COMPLETED (Hydra catches the exception and submitit would exit 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from mlflow.exceptions import MlflowException
+from omegaconf import DictConfig, OmegaConf
+
+from graft_exp import tracking
+from graft_exp.config import ConfigError, validate
+from graft_exp.launching import scheduler, status
+
+log = logging.getLogger("graft_exp.launch")
+
+
+@dataclass
+class PlannedJob:
+    index: int
+    overrides: list[str]
+    cfg: DictConfig
+
+    @property
+    def label(self) -> str:
+        return f"#{self.index} ({' '.join(self.overrides) or 'defaults'})"
+
+
+def multirun_jobs(config: DictConfig) -> list[PlannedJob] | None:
+    """The jobs Hydra's basic sweeper will launch for ``config``, composed as the launcher will
+    compose them; None for other sweepers."""
+    if not config.hydra.sweeper._target_.endswith("BasicSweeper"):
+        return None
+    params = config.hydra.sweeper.get("params") or {}
+    arguments = [*(f"{k}={v}" for k, v in params.items()), *config.hydra.overrides.task]
+    parsed = OverridesParser.create().parse_overrides(arguments)
+    batches = BasicSweeper.split_arguments(parsed, None)
+    loader = GlobalHydra.instance().hydra.config_loader
+    jobs = []
+    for overrides in (ov for batch in batches for ov in batch):
+        cfg = loader.load_sweep_config(config, list(overrides))
+        with_hydra_removed = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        jobs.append(PlannedJob(len(jobs), list(overrides), with_hydra_removed))
+    return jobs
+
+
+def fail_before_launch(message: str) -> None:
+    """Stop the launching process (callback exceptions are only warnings to Hydra)."""
+    log.error(message)
+    raise SystemExit(2)
+
+
+def shared_baseline_clashes(jobs: list[PlannedJob], finished_keys: set[str]) -> list[str]:
+    """Pairs of jobs that would train one unfinished single-model run (a GRPO baseline shared by
+    two pairs) concurrently."""
+    owner: dict[str, PlannedJob] = {}
+    clashes = []
+    for job in jobs:
+        if job.cfg.method.co_train:
+            continue
+        for role in ("A", "B"):
+            key = tracking.model_run_key(job.cfg, role)
+            if key in finished_keys:
+                continue
+            if key in owner:
+                clashes.append(f"{owner[key].label} and {job.label} both train {job.cfg.pair[role]} "
+                               f"({job.cfg.method.name}, seed {job.cfg.seed})")
+            else:
+                owner[key] = job
+    return clashes
+
+
+class FailureMonitor(threading.Thread):
+    """Polls MLflow (and Slurm) for the jobs of a multirun; logs every start, finish and failure
+    as it happens, with the log file of failed jobs."""
+
+    def __init__(self, jobs: list[PlannedJob], poll_s: float):
+        super().__init__(name="graft-failure-monitor", daemon=True)
+        self.jobs, self.poll_s = jobs, poll_s
+        self.stop = threading.Event()
+        self.seen: dict[int, str] = {}
+
+    def poll(self) -> None:
+        uris = {job.cfg.tracking.uri for job in self.jobs}
+        runs = {}
+        for uri in uris:
+            runs.update(status.newest_by_key(status.fetch_runs(uri)))
+        queue = scheduler.slurm_queue()
+        for job in self.jobs:
+            state, log_file = status.run_state(runs.get(tracking.run_key(job.cfg)), queue)
+            if state == self.seen.get(job.index) or state in (status.MISSING, status.PENDING):
+                continue
+            self.seen[job.index] = state
+            if state in (status.FAILED, status.CRASHED):
+                log.error("job %s %s; log: %s", job.label, state.upper(), log_file or "unknown")
+            else:
+                log.info("job %s %s", job.label, state)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except (MlflowException, OSError, ValueError) as err:  # a flaky poll: the next one retries
+                log.warning("failure monitor: %s", err)
+
+
+# The launching process's monitor lives outside the callback: Hydra's submitit launcher pickles
+# the callbacks into every job, and a thread cannot be pickled.
+_monitors: list[FailureMonitor] = []
+
+
+class LaunchCallback(Callback):
+    """Installed by every ``conf/cluster/*.yaml``: see the module docstring."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        jobs = multirun_jobs(config)
+        if jobs is None:
+            log.warning("sweeper %s: jobs are validated one by one as they start", config.hydra.sweeper._target_)
+            return
+        problems = []
+        for job in jobs:
+            try:
+                validate(job.cfg)
+            except ConfigError as err:
+                problems.append(f"  job {job.label}: {err}")
+        if problems:
+            fail_before_launch("invalid configuration, nothing launched:\n" + "\n".join(problems))
+        stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
+        try:
+            for uri, experiment in sorted(stores):
+                tracking.ensure_store(uri, experiment)
+        except tracking.TrackingError as err:
+            fail_before_launch(f"nothing launched: {err}")
+        if config.cluster.parallel:
+            finished = set()
+            for uri in {uri for uri, _ in stores}:
+                runs = status.fetch_runs(uri)
+                finished |= set(runs.loc[runs["status"] == "FINISHED", "key"])
+            clashes = shared_baseline_clashes(jobs, finished)
+            if clashes:
+                fail_before_launch(
+                    "nothing launched: jobs running at the same time would train the same shared "
+                    "GRPO baseline twice:\n  " + "\n  ".join(clashes) +
+                    "\nLaunch the sweep with `python -m graft_exp.sweep` (it orders them), or these "
+                    "jobs one after another.")
+            monitor = FailureMonitor(jobs, float(config.cluster.poll_s))
+            monitor.start()
+            _monitors.append(monitor)
+        log.info("pre-launch checks passed: %d jobs, store(s) %s", len(jobs),
+                 ", ".join(sorted({uri for uri, _ in stores})))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        while _monitors:
+            monitor = _monitors.pop()
+            monitor.stop.set()
+            monitor.poll()   # the last word on every job, before Hydra's own summary
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
+        if job_return.status == JobStatus.FAILED and os.environ.get("SUBMITIT_FOLDER"):
+            exit_failed_submitit_job(job_return._return_value)
+
+
+def exit_failed_submitit_job(error: BaseException) -> None:
+    """Record ``error`` as the submitit job's result, as submitit itself records an exception, and
+    exit 1: the launching process gets the traceback without asking sacct (which clusters without
+    accounting lack), and Slurm marks the job FAILED. SystemExit passes through Hydra and submitit."""
+    import submitit
+    from submitit.core.utils import cloudpickle_dump
+
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    cloudpickle_dump(("error", text), submitit.JobEnvironment().paths.result_pickle)
+    log.error("job failed (%s: %s); exiting non-zero so that the scheduler records the failure",
+              type(error).__name__, error)
+    raise SystemExit(1)

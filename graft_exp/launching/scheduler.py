@@ -1,0 +1,95 @@
+"""Where a job runs and whether it still does: Slurm ids, local processes, log files.
+
+A job run records its location as tags (``graft.slurm_job_id``, ``graft.host``, ``graft.pid``,
+``graft.log``). A RUNNING run whose location is gone (its Slurm job left the queue, its process
+died) crashed without a chance to mark itself; ``liveness`` tells the two apart.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+SLURM_ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+                "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+
+
+def slurm_job_id() -> str | None:
+    """This process's Slurm job as ``squeue -r`` names it: ``<array>_<task>`` for array tasks."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def log_path() -> str | None:
+    """The file this job's output goes to: submitit's stdout log, else Hydra's job log."""
+    if os.environ.get("SUBMITIT_FOLDER"):
+        import submitit
+
+        return str(submitit.JobEnvironment().paths.stdout)
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        return str(Path(hc.runtime.output_dir) / f"{hc.job.name}.log")
+    return None
+
+
+def location_tags() -> dict[str, str]:
+    """Tags saying where this job runs now (a requeued job updates them)."""
+    tags = {"graft.host": socket.gethostname(), "graft.pid": str(os.getpid())}
+    job = slurm_job_id()
+    if job:
+        tags["graft.slurm_job_id"] = job
+    log = log_path()
+    if log:
+        tags["graft.log"] = log
+    return tags
+
+
+def slurm_queue() -> dict[str, str] | None:
+    """State of every job in the Slurm queue by id (array tasks one by one, e.g. ``12_3``), or None
+    where Slurm is not installed. Pending array tasks that Slurm still groups (``12_[4-7]``) are
+    expanded by ``-r``."""
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+        return None
+    queue = {}
+    for line in out.splitlines():
+        job, _, state = line.strip().partition("|")
+        if job:
+            queue[job] = state
+    return queue
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine with ``pid`` exists (pid reuse aside)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def liveness(tags: dict[str, str], queue: dict[str, str] | None) -> bool | None:
+    """Whether the job that last wrote a run (by its location tags) is still alive: True, False, or
+    None when this machine cannot tell (another host, or Slurm unreachable from here)."""
+    job = tags.get("graft.slurm_job_id")
+    if job:
+        if queue is None:
+            return None
+        return queue.get(job) in SLURM_ACTIVE
+    host, pid = tags.get("graft.host"), tags.get("graft.pid")
+    if host and pid and host == socket.gethostname():
+        return process_alive(int(pid))
+    return None
