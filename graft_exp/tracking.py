@@ -12,14 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
@@ -109,18 +106,6 @@ def check_store(uri: str, timeout_s: float = 10.0) -> None:
             ) from err
 
 
-def _upgrade_schema(uri: str) -> None:
-    """Migrate an out-of-date database store with MLflow's own ``mlflow db upgrade`` (a SQLite
-    file is copied to ``<file>.before-upgrade`` first, as MLflow asks)."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
-        shutil.copy2(db, db.with_name(db.name + ".before-upgrade"))
-    done = subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", uri],
-                          check=False, capture_output=True, text=True)
-    if done.returncode:
-        raise TrackingError(f"mlflow db upgrade {uri} failed:\n{done.stderr[-2000:]}")
-
-
 def ensure_store(uri: str, experiment: str) -> str:
     """Create (or migrate) the store and the experiment, from the launching process; return the
     experiment id.
@@ -130,22 +115,13 @@ def ensure_store(uri: str, experiment: str) -> str:
     """
     check_store(uri)
     try:
-        try:
-            client = MlflowClient(uri)
-            exp = client.get_experiment_by_name(experiment)
-        except MlflowException as err:
-            if "out-of-date database schema" not in str(err):
-                raise
-            _upgrade_schema(uri)
-            client = MlflowClient(uri)
-            exp = client.get_experiment_by_name(experiment)
+        client = MlflowClient(uri)   # a database store is created, or its missing tables migrated, here
+        exp = client.get_experiment_by_name(experiment)
         if exp is None:
             return client.create_experiment(experiment)
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
-    except TrackingError:
-        raise
     except Exception as err:  # MLflow raises many kinds; all mean the same thing to the user
         raise TrackingError(
             f"MLflow tracking store {uri} is not usable ({type(err).__name__}: {err}). "
