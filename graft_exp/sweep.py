@@ -168,7 +168,8 @@ def _order(path: Path, study: str, jobs: list[Job], after: dict[str, list[str]],
         planned[job.key] = sj
     dropped = {job.key: keepers for job, keepers in shared}
     for sj in planned.values():
-        needs = [[planned[k]] if k in planned else dropped[k] for k in after.get(sj.key, [])]
+        # A needed job's models may be trained by the jobs it follows (shared baselines).
+        needs = [[planned[k], *planned[k].follows] if k in planned else dropped[k] for k in after.get(sj.key, [])]
         sj.needs = list(dict.fromkeys(n for group in needs for n in group))
     return Sweep(path, study, list(planned.values()), shared, uri)
 
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll", type=float, default=None,
                         help="seconds between state checks while waiting (default: cluster.poll_s)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (cluster=slurm ...)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         sweep = plan(args.sweep, args.overrides)
     except (SweepError, FileNotFoundError) as err:

@@ -1,0 +1,209 @@
+"""Sweep files and ``python -m graft_exp.sweep``: every paper table's job list, shared GRPO
+baselines trained once, dependencies, the fast composer against Hydra, and --dry-run / --status
+against a real store holding finished, failed, crashed and missing runs."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from graft_exp import tracking
+from graft_exp.config import validate
+from graft_exp.launching.jobs import Composer
+from graft_exp.sweep import SweepError, expand, plan, replace
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
+PAPER_MODELS = ("smollm3-3b-base", "qwen3-1.7b-base", "octothinker-3b-hybrid-base")
+
+
+@pytest.fixture(scope="module")
+def composer(tmp_path_factory):
+    """One composer (fresh cache) for every sweep file of the module."""
+    c = Composer([], cache_dir=tmp_path_factory.mktemp("compose-cache"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def sweeps(composer):
+    return {path.stem: plan(path, [], composer) for path in SWEEPS}
+
+
+def methods(sweep, pair=None) -> set[str]:
+    return {sj.job.cfg.method.name for sj in sweep.jobs if pair in (None, sj.job.cfg.pair.name)}
+
+
+def test_expand_is_a_product_in_written_order():
+    assert expand({"pair": ["pair1", "pair2"], "method": "graft", "seed": [0, 1]}) == [
+        ("pair=pair1", "method=graft", "seed=0"), ("pair=pair1", "method=graft", "seed=1"),
+        ("pair=pair2", "method=graft", "seed=0"), ("pair=pair2", "method=graft", "seed=1")]
+    assert expand({"method": "graft", "method.delta": [0.7, None], "after": {"method": "x"}}) == [
+        ("method=graft", "method.delta=0.7"), ("method=graft", "method.delta=null")]
+    assert replace(("pair=pair1", "method=graft_stored", "seed=0"), {"method": "grpo_n8"}) == (
+        "pair=pair1", "seed=0", "method=grpo_n8")
+
+
+def test_one_file_per_table_with_its_study(sweeps):
+    assert set(sweeps) == {"main", "ablation", "alternatives", "delta", "stability", "stored",
+                           "clip_dynamics", "compute"}
+    for name, sweep in sweeps.items():
+        assert sweep.study == name
+        for sj in sweep.jobs:
+            validate(sj.job.cfg)
+
+
+def test_main_table_runs(sweeps):
+    main = sweeps["main"]
+    for pair in ("pair1", "pair2", "pair3"):
+        assert {"hacpo", "sgt", "graft"} <= methods(main, pair)
+    assert {sj.job.cfg.seed for sj in main.jobs} == {0}
+    # Every paper model gets its GRPO n=8/16/32 baseline exactly once.
+    trained = [(sj.job.cfg.pair[role], sj.job.cfg.method.name) for sj in main.jobs if sj.job.single_model
+               for role in sj.roles]
+    assert sorted(trained) == sorted((m, g) for m in PAPER_MODELS for g in ("grpo_n8", "grpo_n16", "grpo_n32"))
+    assert len(main.shared) == 3      # pair3's GRPO jobs: both models trained by pair1/pair2 jobs
+
+
+def test_shared_baseline_jobs_run_after_the_job_that_trains_the_model(sweeps):
+    main = sweeps["main"]
+    by_label = {sj.job.label: sj for sj in main.jobs}
+    pair2 = by_label["pair=pair2 method=grpo_n8 seed=0"]
+    assert pair2.roles == ("A",)
+    assert [f.job.label for f in pair2.follows] == ["pair=pair1 method=grpo_n8 seed=0"]
+
+
+def test_table_job_lists(sweeps):
+    assert methods(sweeps["ablation"]) == {
+        "graft", "graft_no_gate", "graft_no_floor", "graft_no_balance", "graft_seq_ratio",
+        "graft_random_prompts", "graft_random_admission", "graft_peer_first", "graft_peer_uniform", "grpo_n8"}
+    assert methods(sweeps["alternatives"]) == {
+        "graft", "graft_pooled", "graft_success_only", "graft_success_only_no_floor", "hacpo_which",
+        "sgt_which", "graft_no_balance", "graft_luffy", "hacpo", "sgt", "grpo_n8"}
+    deltas = {sj.job.cfg.method.delta for sj in sweeps["delta"].jobs if sj.job.cfg.method.name == "graft"}
+    assert deltas == {0.7, 0.8, 0.9} and "graft_no_floor" in methods(sweeps["delta"])
+    stability = sweeps["stability"]
+    assert {(sj.job.cfg.method.name, sj.job.cfg.seed) for sj in stability.jobs if sj.job.cfg.pair.name == "pair1"} == {
+        (m, s) for m in ("grpo_n8", "graft") for s in (0, 1, 2)}
+    assert methods(sweeps["clip_dynamics"]) == {"graft", "graft_peer_first", "graft_peer_uniform"}
+    assert methods(sweeps["compute"]) == {"grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft",
+                                          "graft_stored"}
+    for name in ("ablation", "alternatives", "delta", "clip_dynamics", "compute"):
+        assert {sj.job.cfg.pair.name for sj in sweeps[name].jobs} == {"pair1"}
+
+
+def test_same_config_is_the_same_run_across_sweeps(sweeps):
+    """Full GRAFT on pair 1 is one run for the main table, the ablations and the delta sweep
+    (method.delta=0.8 is the default), so whichever sweep trains it, the others find it."""
+    def graft_key(sweep):
+        return {sj.key for sj in sweep.jobs if sj.job.label in ("pair=pair1 method=graft seed=0",
+                                                                 "pair=pair1 method=graft method.delta=0.8 seed=0")}
+    keys = [graft_key(sweeps[name]) for name in ("main", "ablation", "delta", "clip_dynamics", "compute")]
+    assert all(k == keys[0] and len(k) == 1 for k in keys)
+
+
+def test_stored_runs_wait_for_the_grpo_runs_they_replay(sweeps):
+    for name in ("stored", "compute"):
+        for sj in sweeps[name].jobs:
+            if sj.job.cfg.method.name != "graft_stored":
+                continue
+            pair = sj.job.cfg.pair
+            needed = {(n.job.cfg.pair[r], n.job.cfg.method.name, n.job.cfg.seed) for n in sj.needs for r in n.roles}
+            assert {(pair.A, "grpo_n8", sj.job.cfg.seed), (pair.B, "grpo_n8", sj.job.cfg.seed)} <= needed
+
+
+def test_gpu_hours_estimate_from_the_paper(sweeps):
+    compute = {sj.job.cfg.method.name: sj.gpu_hours for sj in sweeps["compute"].jobs}
+    # App. D: GRPO n=8 both models 29.9, GRAFT 43.3 GPU-hours for three epochs on pair 1.
+    assert compute["grpo_n8"] == pytest.approx(29.9) and compute["graft"] == pytest.approx(43.3)
+
+
+@pytest.mark.slow
+def test_fast_composition_equals_hydra(sweeps, composer):
+    """The composer's grafted configs give every job of every sweep Hydra's own run_key."""
+    seen = set()
+    for sweep in sweeps.values():
+        for sj in sweep.jobs:
+            if sj.key in seen:
+                continue
+            seen.add(sj.key)
+            assert tracking.run_key(composer._full(list(sj.job.overrides))) == sj.key, sj.job.label
+
+
+def test_sweep_file_must_not_be_overridden(tmp_path):
+    with pytest.raises(SweepError, match="study"):
+        plan(ROOT / "sweeps" / "main.yaml", ["study=other"])
+
+
+# ---------------------------------------------------------------------------------------------
+# --dry-run and --status on a real store
+
+
+@pytest.fixture(scope="session")
+def store_template(request) -> Path:
+    cache = Path(request.config.cache.mkdir("graft-mlflow-store"))
+    db = cache / f"mlflow-{mlflow.__version__}.db"
+    if not db.exists():
+        tmp = cache / f"building-{os.getpid()}.db"
+        MlflowClient(f"sqlite:///{tmp}").search_experiments()
+        tmp.replace(db)
+    return db
+
+
+TINY_SWEEP = """\
+study: tinytable
+runs:
+  - {pair: tiny, method: [graft, sgt, hacpo, grpo_n8], seed: [0, 1]}
+"""
+
+
+def run_cli(*args, cwd) -> str:
+    done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", *args], capture_output=True, text=True,
+                          check=False, cwd=cwd, env={**os.environ, "COLUMNS": "200"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, store_template):
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "tiny.yaml").write_text(TINY_SWEEP)
+    sweep = plan(tmp_path / "tiny.yaml", [f"tracking.uri={uri}"])
+    assert len(sweep.jobs) == 8
+    by_label = {sj.job.label: sj for sj in sweep.jobs}
+    client = MlflowClient(uri)
+    # seed 0 of graft trained under another study: found by its run_key all the same.
+    finished = by_label["pair=tiny method=graft seed=0"]
+    other_study = tracking.ensure_store(uri, "graft/main")
+    client.set_terminated(client.create_run(other_study, tags={"graft.run_key": finished.key}).info.run_id)
+    exp = tracking.ensure_store(uri, "graft/tinytable")
+    failed = by_label["pair=tiny method=sgt seed=0"]
+    run = client.create_run(exp, tags={"graft.run_key": failed.key, "graft.log": "/logs/sgt-0.log"})
+    client.set_terminated(run.info.run_id, "FAILED")
+    crashed = by_label["pair=tiny method=hacpo seed=0"]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    client.create_run(exp, tags={"graft.run_key": crashed.key, "graft.log": "/logs/hacpo-0.log",
+                                 "graft.host": socket.gethostname(), "graft.pid": str(dead.pid)})
+    running = by_label["pair=tiny method=grpo_n8 seed=0"]
+    client.create_run(exp, tags={"graft.run_key": running.key, "graft.host": socket.gethostname(),
+                                 "graft.pid": str(os.getpid())})
+
+    started = time.monotonic()
+    dry = run_cli(str(tmp_path / "tiny.yaml"), "--dry-run", f"tracking.uri={uri}", cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    # MLflow alone cannot tell a crashed RUNNING run from a live one: both count as running.
+    assert "8 jobs: 1 finished, 2 running, 0 pending, 1 failed, 4 missing" in dry
+    assert elapsed < 60
+
+    status = run_cli(str(tmp_path / "tiny.yaml"), "--status", f"tracking.uri={uri}", cwd=tmp_path)
+    assert "8 jobs: 1 finished, 1 running, 0 pending, 2 failed, 4 missing" in status
+    assert f"failed #{failed.index} pair=tiny method=sgt seed=0: log /logs/sgt-0.log" in status
+    assert f"crashed #{crashed.index} pair=tiny method=hacpo seed=0: log /logs/hacpo-0.log" in status
