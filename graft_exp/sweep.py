@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graft_exp.launching import scheduler, status
+from graft_exp.launching.callbacks import SWEEP_ENV
 from graft_exp.launching.jobs import CONF_DIR, ROLES, Composer, Job, estimate_gpu_hours
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -323,7 +324,7 @@ def launch_wave(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: 
         with manifest.open("a") as f:
             f.write(json.dumps({"time": time.time(), "sweep_dir": str(sweep_dir), "keys": keys}) + "\n")
         console.print(f"launching {len(keys)} job(s): {' '.join(command[2:])}")
-        proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", SWEEP_ENV: "1"})
         if parallel:
             procs.append(proc)
         else:

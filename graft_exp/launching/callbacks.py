@@ -35,6 +35,7 @@ from graft_exp.config import ConfigError, validate
 from graft_exp.launching import scheduler, status
 
 log = logging.getLogger("graft_exp.launch")
+SWEEP_ENV = "GRAFT_SWEEP_LAUNCH"   # set by python -m graft_exp.sweep in the multiruns it starts
 
 
 @dataclass
@@ -165,9 +166,10 @@ class LaunchCallback(Callback):
                     "GRPO baseline twice:\n  " + "\n  ".join(clashes) +
                     "\nLaunch the sweep with `python -m graft_exp.sweep` (it orders them), or these "
                     "jobs one after another.")
-            monitor = FailureMonitor(jobs, float(config.cluster.poll_s))
-            monitor.start()
-            _monitors.append(monitor)
+            if not os.environ.get(SWEEP_ENV):   # python -m graft_exp.sweep reports states itself
+                monitor = FailureMonitor(jobs, float(config.cluster.poll_s))
+                monitor.start()
+                _monitors.append(monitor)
         log.info("pre-launch checks passed: %d jobs, store(s) %s", len(jobs),
                  ", ".join(sorted({uri for uri, _ in stores})))
 
