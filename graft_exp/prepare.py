@@ -22,8 +22,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from graft_exp.prompts import format_prompt
 from graft_exp.reward import last_boxed
-from graft_exp.tiny.task import format_prompt
 
 CATALOG = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "models.yaml"
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
