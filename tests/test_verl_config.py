@@ -1,5 +1,6 @@
 """backend=verl composes with every pair x method; Table 3 lands in verl's config (checked by verl's own
-validate_config); each method's receiver rows come out of graft_exp.algorithms as the paper says."""
+validate_config); verl's GRPO advantages equal ours; validation benchmarks come out of prepared data as
+graft_exp.evaluation takes them."""
 
 from pathlib import Path
 
@@ -8,15 +9,18 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.utils.config import validate_config
 
 from graft_exp.algorithms import grpo_advantages
 from graft_exp.backends.verl.config import minibatch_prompts, placement, verl_config
 from graft_exp.backends.verl.loss import LossSpec
-from graft_exp.backends.verl.plan import receiver_rows, select_prompts
-from graft_exp.backends.verl.trainer import bench_scores, prompt_order
+from graft_exp.backends.verl.trainer import prompt_order, val_benchmarks
 from graft_exp.config import validate
+from graft_exp.evaluation import evaluate
+from graft_exp.prepare import SOURCES, verl_rows, write_parquet
+from graft_exp.prompts import SUFFIX
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 METHODS = sorted(p.stem for p in (Path(CONF) / "method").glob("*.yaml"))
@@ -103,46 +107,6 @@ def test_every_pair_and_method_composes_with_verl(tmp_path):
                 assert config.actor_rollout_ref.model.path == cfg.models[cfg.pair[role]].hf_id
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if not m.startswith("grpo")])
-def test_every_exchange_method_plans_receiver_rows(method):
-    cfg = _compose("pair=pair1", f"method={method}")
-    n, gen = cfg.method.n, torch.Generator().manual_seed(0)
-    rewards_a = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [0] * 8, [1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]])
-    rewards_b = torch.tensor([[0] * 8, [0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [0] * 8, [1, 1, 1, 1, 1, 1, 1, 0]])
-    k_a, k_b = rewards_a.sum(1), rewards_b.sum(1)
-    a_to_b, _ = select_prompts(cfg.method, k_a, k_b, n, gen)
-    scores = torch.linspace(0.5, 1.2, int(a_to_b.sum()) * n).view(-1, n)
-    plan = receiver_rows(cfg.method, own_rewards=rewards_b.float(), own_advantages=grpo_advantages(rewards_b.float()),
-                         peer_rewards=rewards_a.float(), peer_advantages=grpo_advantages(rewards_a.float()),
-                         selected=a_to_b, scores=scores, generator=gen)
-    rows = plan.rows
-    assert len(rows.peer) == len(rows.peer_weight) == len(rows.peer_advantage) == len(rows.peer_sft)
-    assert bool((rows.peer_weight >= 0).all()) and bool((rows.peer_weight <= 1).all())
-    assert plan.stats["train/peer_groups"] == float(a_to_b.sum())
-    if method in ("graft", "graft_stored"):
-        # C_{A->B} = prompts 0, 1 (B failed all, 1 <= k_A < n), C_{B->A} = prompt 2: m = 1 keeps the
-        # candidate with the larger k_A (prompt 1); stored replay is one-way and unbalanced
-        expected = [True, True, False, False, False] if method == "graft_stored" else [False, True, False, False, False]
-        assert a_to_b.tolist() == expected
-
-
-def test_graft_rows_replace_groups_with_gated_source_responses():
-    cfg = _compose("pair=pair1", "method=graft_no_balance")
-    gen = torch.Generator().manual_seed(0)
-    rewards_a = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0], [0] * 8]).float()
-    rewards_b = torch.tensor([[0] * 8, [1, 1, 0, 0, 0, 0, 0, 0]]).float()
-    a_to_b, _ = select_prompts(cfg.method, rewards_a.sum(1).long(), rewards_b.sum(1).long(), 8, gen)
-    assert a_to_b.tolist() == [True, False]
-    scores = torch.tensor([[0.9, 0.7, 1.3, 0.85, 0.8, 0.95, 0.5, 1.0]])
-    adv_a = grpo_advantages(rewards_a)
-    plan = receiver_rows(cfg.method, own_rewards=rewards_b, own_advantages=grpo_advantages(rewards_b),
-                         peer_rewards=rewards_a, peer_advantages=adv_a, selected=a_to_b, scores=scores, generator=gen)
-    assert plan.rows.own.tolist() == list(range(8, 16))                   # prompt 0's own group is replaced
-    assert plan.rows.peer_weight.tolist() == pytest.approx([0.9, 0, 1.0, 0.85, 0, 0.95, 0, 1.0])
-    assert torch.allclose(plan.rows.peer_advantage, adv_a[0])             # source advantages, not re-normalised
-    assert plan.stats["train/peer_admitted"] == 5
-
-
 def test_grpo_advantages_match_verl():
     rewards = torch.tensor([[1.0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]])
     mask = torch.ones(12, 3)
@@ -153,9 +117,61 @@ def test_grpo_advantages_match_verl():
     assert torch.allclose(theirs[:, 0].view(3, 4), grpo_advantages(rewards), atol=1e-6)
 
 
-def test_bench_scores_and_prompt_order():
-    scores = bench_scores(np.array([1, 0, 1, 1, 0, 0]), np.array(["aime2024"] * 4 + ["amc23"] * 2),
-                          np.array([0, 0, 1, 1, 2, 2]))
+def test_validation_benchmarks_from_prepared_data_scored_by_evaluation(tmp_path):
+    """The validation Parquet files (prepare.py) read by verl's RLHFDataset become graft_exp.evaluation's
+    benchmarks: one per data source, each problem's prompt text and gold answer; pass@1 and the average
+    follow from responses by prompt text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    files = [write_parquet(verl_rows(records, SOURCES[key]), SOURCES[key], tmp_path, check_rows=False)
+             for key, records in (("aime2024", [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}]),
+                                  ("amc23", [{"question": "3*3?", "answer": "9"}]))]
+    tok = Tokenizer(models.WordLevel({"<eos>": 0, "<unk>": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>",
+                                        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 2048, "filter_overlong_prompts": False,
+                               "return_raw_chat": True, "cache_dir": str(tmp_path / "cache")})
+    dataset = RLHFDataset(data_files=[str(f) for f in files], tokenizer=tokenizer, config=config)
+    benchmarks = val_benchmarks(dataset)
+    assert {k: [(p.prompt, p.answer, p.row) for p in v] for k, v in benchmarks.items()} == {
+        "aime2024": [(f"1+1? {SUFFIX}", "2", 0), (f"2+2? {SUFFIX}", "4", 1)], "amc23": [(f"3*3? {SUFFIX}", "9", 2)]}
+    answers = {f"1+1? {SUFFIX}": ["\\boxed{2}", "\\boxed{3}"], f"2+2? {SUFFIX}": ["\\boxed{4}"] * 2,
+               f"3*3? {SUFFIX}": ["9"] * 2}
+    scores = evaluate(lambda prompts, k, *_: [answers[p] for p in prompts], benchmarks, 2, 0.6, 0.95, 0)
     assert scores == {"aime2024": 0.75, "amc23": 0.0, "avg": 0.375}
+
+
+def test_prompt_order_depends_on_seed_and_epoch_only():
     assert torch.equal(prompt_order(10, 0, 1), prompt_order(10, 0, 1))
     assert not torch.equal(prompt_order(10, 0, 0), prompt_order(10, 0, 1))
+    assert not torch.equal(prompt_order(10, 0, 0), prompt_order(10, 1, 0))
+
+
+def test_dynamic_sampling_takes_kept_groups_of_several_draws():
+    """DAPO's kept groups of two draws become one step's rollouts: verl rows and exchange view agree."""
+    from verl import DataProto
+
+    from graft_exp.backends.verl import batch as vb
+    from graft_exp.backends.verl.trainer import Sampled, take_groups
+    from graft_exp.exchange import Rollouts
+
+    def draw(first_id: int) -> Sampled:
+        ids = [[first_id + row] for row in range(6)]    # 3 prompts x n = 2, one token per response
+        out = DataProto.from_dict(tensors=vb.pack_rows([[1]] * 6, ids, prompt_length=2, response_length=2,
+                                                       pad_token_id=0))
+        rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
+        rollouts = Rollouts(model="m", prompt_ids=[f"{first_id}-{q}" for q in range(3)],
+                            responses=[[str(first_id + 2 * q), str(first_id + 2 * q + 1)] for q in range(3)],
+                            rewards=rewards, advantages=grpo_advantages(rewards),
+                            logp_sum=-torch.arange(6, dtype=torch.float64).view(3, 2) - first_id,
+                            num_tokens=torch.ones(3, 2, dtype=torch.long), finished=torch.ones(3, 2, dtype=torch.bool))
+        return Sampled(out, rollouts, [f"gold{first_id}-{q}" for q in range(3)])
+
+    taken = take_groups([(draw(10), [0, 2]), (draw(20), []), (draw(30), [2])])
+    assert taken.rollouts.prompt_ids == ["10-0", "10-2", "30-2"] and taken.golds == ["gold10-0", "gold10-2", "gold30-2"]
+    assert taken.rollouts.responses == [["10", "11"], ["14", "15"], ["34", "35"]]
+    assert [vb.row_tokens(taken.out, row)[1] for row in range(6)] == [[10], [11], [14], [15], [34], [35]]
+    assert taken.rollouts.logp_sum[:, 0].tolist() == [-10, -14, -34] and taken.rollouts.k.tolist() == [1, 1, 1]

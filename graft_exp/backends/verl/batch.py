@@ -1,5 +1,11 @@
-"""Receiver batches in verl's layout: peer responses re-tokenized for the receiver, the exchange's
-weights and source advantages as columns, and minibatches in the method's order (peer-last).
+"""The verl side of ``graft_exp.exchange``: rollouts and receiver batches in verl's ``DataProto`` layout.
+
+The exchange itself (which prompts, which rows, advantages, weights, minibatch order) is
+``graft_exp.exchange``'s, shared with the local backend; this module only moves its results in and out
+of verl's tensors: the receiver's ``Scorer`` backed by one batched log-prob call of its worker group
+(``PeerScorer``), peer responses re-tokenized for the receiver (``peer_batch``), the ``ReceiverBatch``
+as verl rows with the loss's columns (``receiver_batch``), and its minibatches laid out for verl's
+data-parallel dispatch (``minibatch_layout``).
 
 verl's padded layout (as its agent loop writes it): ``prompts`` left-padded to the prompt length,
 ``responses`` right-padded to the response length, ``input_ids`` = prompts ++ responses,
@@ -9,7 +15,7 @@ the responses' attention. Everything here is CPU tensor work on ``verl.DataProto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,12 +23,26 @@ from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
-from graft_exp.algorithms import MINIBATCH_ORDERINGS
-from graft_exp.backends.verl.loss import DENOMINATOR, IS_PEER, MINIBATCH_INDEX, SFT, SFT_DENOMINATOR, WEIGHT
+from graft_exp.algorithms import sequence_log_prob_sums
+from graft_exp.backends.verl.loss import (
+    CAPABILITY_RATIO,
+    DENOMINATOR,
+    IS_PEER,
+    MINIBATCH_INDEX,
+    SFT,
+    SFT_DENOMINATOR,
+    SOURCE_MEAN_LOG_PROB,
+    WEIGHT,
+)
+from graft_exp.exchange import PEER, SELF, ReceiverBatch, Rollouts, Row
 
-#: Non-tensor columns every receiver row carries: the prompt's index in the step's batch, the response's
-#: index in its source group, and which model generated it ("A" / "B").
-PROMPT_INDEX, RESPONSE_INDEX, SOURCE = "graft_prompt_index", "graft_response_index", "graft_source"
+#: Non-tensor columns of peer and receiver rows: the prompt's index in the step's batch, the response's
+#: index in its generating model's group, and the exchange's group of the row (``Row.group``: the unit
+#: minibatches are made of).
+PROMPT_INDEX, RESPONSE_INDEX, GROUP = "graft_prompt_index", "graft_response_index", "graft_group"
+#: ``log_probs(batch) -> [B, T]``: per-token log-probs of a padded batch's responses under the receiver's
+#: current (old) policy, as ``runtime.VerlModel.log_probs`` computes them on its worker group.
+LogProbs = Callable[[DataProto], torch.Tensor]
 
 
 def pack_rows(prompts: list[list[int]], responses: list[list[int]], *, prompt_length: int, response_length: int,
@@ -95,89 +115,125 @@ def retokenize(text: str, tokenizer, *, finished: bool, max_length: int) -> list
     return ids[:max_length]
 
 
-def peer_batch(receiver_own: DataProto, own_row_of_prompt: dict[int, int], prompt_index: list[int],
-               texts: list[str], finished: list[bool], tokenizer, *, source: str) -> DataProto:
-    """The receiver's rows for transferred peer responses: the receiver's own prompt tokens of each prompt
-    (taken from one of its rollouts, so the chat template is exactly the one it generated with) and the
-    re-tokenized response. ``own_row_of_prompt`` maps a prompt index to one receiver row of that prompt.
-    The batch has verl's padded layout at the receiver's widths; its old log-probs are computed next."""
+def response_token_ids(batch: DataProto, n: int) -> list[list[list[int]]]:
+    """Each row's generated token ids (no padding), grouped [P][n] as the trajectory log stores them."""
+    ids = [row_tokens(batch, row)[1] for row in range(len(batch))]
+    return [ids[q * n:(q + 1) * n] for q in range(len(ids) // n)]
+
+
+def peer_batch(receiver_own: DataProto, n: int, pairs: list[tuple[int, int]], source: Rollouts,
+               tokenizer) -> DataProto:
+    """The receiver's rows for the source's responses ``pairs`` = [(prompt, sample)]: the receiver's own
+    prompt tokens of each prompt (taken from its first rollout of that prompt, so the chat template is
+    exactly the one it generated with; its rollouts are prompt-major, ``n`` per prompt) and the
+    re-tokenized response string. verl's padded layout at the receiver's widths."""
     prompt_length = receiver_own.batch["prompts"].shape[1]
     response_length = receiver_own.batch["responses"].shape[1]
-    prompts = [row_tokens(receiver_own, own_row_of_prompt[p])[0] for p in prompt_index]
-    responses = [retokenize(t, tokenizer, finished=f, max_length=response_length) for t, f in zip(texts, finished)]
+    prompts = [row_tokens(receiver_own, q * n)[0] for q, _ in pairs]
+    responses = [retokenize(source.responses[q][i], tokenizer, finished=bool(source.finished[q, i]),
+                            max_length=response_length) for q, i in pairs]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tensors = pack_rows(prompts, responses, prompt_length=prompt_length, response_length=response_length,
                         pad_token_id=pad)
     return DataProto.from_dict(tensors=tensors, non_tensors={
-        PROMPT_INDEX: np.asarray(prompt_index, dtype=np.int64),
-        SOURCE: np.asarray([source] * len(prompt_index), dtype=object),
+        PROMPT_INDEX: np.asarray([q for q, _ in pairs], dtype=np.int64),
+        RESPONSE_INDEX: np.asarray([i for _, i in pairs], dtype=np.int64),
     })
 
 
-@dataclass(frozen=True)
-class ReceiverRows:
-    """One receiver's training rows for a step, before layout: which rows of its own rollouts and of the
-    re-tokenized peer batch it trains on, each with its advantage and weight (per ``graft_exp.exchange``).
+class PeerScorer:
+    """``graft_exp.exchange.Scorer`` of one receiver: the source's responses on the requested prompts
+    re-tokenized for the receiver (``peer_batch``) and scored by one batched ``log_probs`` call (eq. 8's
+    receiver term). The scored rows, with their ``old_log_probs``, are kept in ``scored`` for the update,
+    which trains on exactly those tokens and old log-probs."""
 
-    ``own`` / ``peer`` index rows of the receiver's own batch / of ``peer_batch``; ``*_advantage`` and
-    ``*_weight`` are per listed row; ``peer_sft`` marks SGT's NLL rows (their weight must be 0).
-    """
+    def __init__(self, receiver_own: DataProto, n: int, tokenizer, log_probs: LogProbs):
+        self.own, self.n, self.tokenizer, self.log_probs = receiver_own, n, tokenizer, log_probs
+        self.scored: DataProto | None = None
 
-    own: torch.Tensor
-    own_advantage: torch.Tensor
-    peer: torch.Tensor
-    peer_advantage: torch.Tensor
-    peer_weight: torch.Tensor
-    peer_sft: torch.Tensor
+    def __call__(self, prompts: list[int], source: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.score([(q, i) for q in prompts for i in range(source.n)], source)
+        sums, counts = sequence_log_prob_sums(batch.batch["old_log_probs"], batch.batch["response_mask"])
+        # A response that re-tokenizes to nothing (an empty string cut before the EOS) has no tokens to
+        # average; count it as one so its score is defined (it adds no token to the update either way).
+        shape = (len(prompts), source.n)
+        return sums.double().view(shape), counts.clamp(min=1).view(shape)
 
-    @classmethod
-    def own_only(cls, rows: int, advantages: torch.Tensor) -> ReceiverRows:
-        empty = torch.zeros(0)
-        return cls(torch.arange(rows), advantages.float(), torch.zeros(0, dtype=torch.long), empty, empty,
-                   torch.zeros(0, dtype=torch.bool))
+    def score(self, pairs: list[tuple[int, int]], source: Rollouts) -> DataProto:
+        """Re-tokenize and score the responses ``pairs`` of ``source``; they become ``scored``."""
+        batch = peer_batch(self.own, self.n, pairs, source, self.tokenizer)
+        batch.batch["old_log_probs"] = self.log_probs(batch)
+        self.scored = batch
+        return batch
 
 
 TRAIN_COLUMNS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
                  "old_log_probs")
 
 
-def receiver_batch(own: DataProto, peer: DataProto | None, rows: ReceiverRows) -> DataProto:
-    """Concatenate the selected own rows and peer rows into one receiver batch with the loss columns:
-    ``advantages`` (the row's advantage on its response tokens, verl's [B, T] convention), ``graft_weight``,
-    ``graft_is_peer``, ``graft_sft``. Both inputs need ``old_log_probs`` under the *receiver's* old policy."""
-    parts = [_select(own, rows.own, rows.own_advantage, torch.ones(len(rows.own)), peer=False,
-                     sft=torch.zeros(len(rows.own), dtype=torch.bool))]
-    if len(rows.peer):
+def receiver_batch(own: DataProto, n: int, peer: DataProto | None, plan: ReceiverBatch) -> DataProto:
+    """The exchange's ``ReceiverBatch`` as verl rows with the loss's columns: own rows from the receiver's
+    rollouts ``own`` (prompt-major, ``n`` per prompt), peer rows and SGT's NLL rows from ``peer`` (the
+    ``PeerScorer``'s scored rows). Columns: ``advantages`` (the row's advantage on its response tokens,
+    verl's [B, T] convention), ``graft_weight``, ``graft_is_peer``, ``graft_sft`` (NLL rows: weight 0,
+    advantage 0), and the rows' prompt, response and group indices. Both inputs need ``old_log_probs``
+    under the *receiver's* old policy."""
+    own_rows = [r for r in plan.rows if r.origin == SELF]
+    peer_rows = [r for r in plan.rows if r.origin == PEER]
+    parts = [_rows(own, [r.prompt * n + r.sample for r in own_rows], *_row_columns(own_rows), peer=False, sft=False)]
+    if peer_rows or plan.nll:
         if peer is None:
-            raise ValueError("rows.peer lists peer rows but no peer batch was given")
-        if bool((rows.peer_weight[rows.peer_sft] != 0).any()):
-            raise ValueError("SGT rows enter only the NLL term: their policy-gradient weight must be 0")
-        parts.append(_select(peer, rows.peer, rows.peer_advantage, rows.peer_weight, peer=True, sft=rows.peer_sft))
+            raise ValueError("the receiver batch has peer rows but no scored peer batch was given")
+        where = {(int(q), int(i)): row for row, (q, i) in
+                 enumerate(zip(peer.non_tensor_batch[PROMPT_INDEX], peer.non_tensor_batch[RESPONSE_INDEX]))}
+        parts.append(_rows(peer, [where[r.prompt, r.sample] for r in peer_rows], *_row_columns(peer_rows),
+                           peer=True, sft=False))
+        # SGT's drawn correct responses enter only the NLL term, in their prompt's group.
+        prompts, samples = [q for q, _ in plan.nll], [i for _, i in plan.nll]
+        zeros = [0.0] * len(plan.nll)
+        parts.append(_rows(peer, [where[q, i] for q, i in plan.nll], prompts, samples, prompts, zeros, zeros,
+                           peer=True, sft=True))
     return DataProto.concat(parts)
 
 
-def _select(batch: DataProto, index: torch.Tensor, advantage: torch.Tensor, weight: torch.Tensor, *, peer: bool,
-            sft: torch.Tensor) -> DataProto:
-    keep = batch.select(batch_keys=list(TRAIN_COLUMNS), non_tensor_batch_keys=[PROMPT_INDEX, SOURCE])
-    part = keep[index.long()] if len(index) else keep[torch.zeros(0, dtype=torch.long)]
+def _row_columns(rows: list[Row]) -> tuple[list, list, list, list, list]:
+    """(prompt, sample, group, advantage, weight) of exchange rows."""
+    return ([r.prompt for r in rows], [r.sample for r in rows], [r.group for r in rows],
+            [r.advantage for r in rows], [r.weight for r in rows])
+
+
+def _rows(batch: DataProto, index: list[int], prompt: list[int], sample: list[int], group: list[int],
+          advantage: list[float], weight: list[float], *, peer: bool, sft: bool) -> DataProto:
+    """Rows ``index`` of ``batch`` with the loss's columns and their exchange indices."""
+    part = batch.select(batch_keys=list(TRAIN_COLUMNS), non_tensor_batch_keys=[])[torch.tensor(index, dtype=torch.long)]
     mask = part.batch["response_mask"].float()
-    part.batch["advantages"] = advantage.float().unsqueeze(1) * mask
-    part.batch[WEIGHT] = weight.float()
+    part.batch["advantages"] = torch.tensor(advantage, dtype=torch.float32).unsqueeze(1) * mask
+    part.batch[WEIGHT] = torch.tensor(weight, dtype=torch.float32)
     part.batch[IS_PEER] = torch.full((len(index),), float(peer))
-    part.batch[SFT] = sft.float()
+    part.batch[SFT] = torch.full((len(index),), float(sft))
+    part.non_tensor_batch.update({PROMPT_INDEX: np.asarray(prompt, dtype=np.int64),
+                                  RESPONSE_INDEX: np.asarray(sample, dtype=np.int64),
+                                  GROUP: np.asarray(group, dtype=np.int64)})
     return part
 
 
-def minibatch_plan(batch: DataProto, *, prompts_per_minibatch: int, ordering: str, dp_size: int,
-                   generator: torch.Generator | None = None, peer_groups_separate: bool = False,
-                   sequence_mean: bool = False) -> list[DataProto]:
-    """Cut a receiver batch into optimizer minibatches in the method's order, each ready for one
-    ``update_actor`` call.
+def hacpo_columns(batch: DataProto, own: Rollouts, source: Rollouts, capability_ratio: float) -> None:
+    """HACPO's extra loss columns: each row's mean generation log-prob under the model that generated it
+    (own rows: the receiver's, peer rows: the source's; its sequence-level cross-model ratio) and the
+    step's capability ratio."""
+    prompt, sample = batch.non_tensor_batch[PROMPT_INDEX], batch.non_tensor_batch[RESPONSE_INDEX]
+    is_peer = batch.batch[IS_PEER].bool().tolist()
+    means = [float(m.logp_sum[q, i] / m.num_tokens[q, i].clamp(min=1))
+             for q, i, m in zip(prompt, sample, (source if p else own for p in is_peer))]
+    batch.batch[SOURCE_MEAN_LOG_PROB] = torch.tensor(means, dtype=torch.float32)
+    batch.batch[CAPABILITY_RATIO] = torch.full((len(batch),), float(capability_ratio))
 
-    Groups are (prompt, kind) pairs: a replaced prompt's peer rows form a peer group; with
-    ``peer_groups_separate`` (HACPO, which keeps own and peer rows of every prompt) a prompt has an own
-    and a peer group, otherwise a prompt's rows are one group, peer if any row is a peer row. Minibatches
-    come from ``graft_exp.algorithms.MINIBATCH_ORDERINGS[ordering]`` over those groups.
+
+def minibatch_layout(batch: DataProto, minibatches: list[list[int]], *, dp_size: int,
+                     sequence_mean: bool = False) -> list[DataProto]:
+    """A receiver batch cut into the exchange's minibatches (``ReceiverBatch.minibatches``: group
+    indices per minibatch, in processing order), each ready for one ``update_actor`` call. A minibatch
+    whose groups lost every row (all gated out) is skipped; the others keep their position (HACPO's m).
 
     This replaces verl's ``balance_batch``, which reorders rows across the whole batch and so would mix
     peer rows into early minibatches: here each minibatch is balanced *within itself* across the
@@ -185,23 +241,16 @@ def minibatch_plan(batch: DataProto, *, prompts_per_minibatch: int, ordering: st
     multiple of ``dp_size`` with weight-0 copies, and laid out rank by rank, which is how verl's dispatch
     hands contiguous chunks to ranks. Each minibatch gets its loss denominator (response tokens of rows
     with weight > 0; with ``sequence_mean``, HACPO's, the number of those rows) and, for SGT, the NLL
-    rows' token count, plus its position (HACPO's m).
+    rows' token count, plus its position.
     """
-    prompt = np.asarray(batch.non_tensor_batch[PROMPT_INDEX], dtype=np.int64)
-    is_peer = batch.batch[IS_PEER].bool().numpy()
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for row, p in enumerate(prompt):
-        key = (int(p), bool(is_peer[row])) if peer_groups_separate else (int(p), False)
-        groups.setdefault(key, []).append(row)
-    keys = sorted(groups, key=lambda k: (k[1], k[0]) if peer_groups_separate else k)
-    group_is_peer = torch.tensor([bool(is_peer[groups[k]].any()) for k in keys], dtype=torch.bool)
-    order = MINIBATCH_ORDERINGS[ordering](group_is_peer, prompts_per_minibatch, generator)
+    group = np.asarray(batch.non_tensor_batch[GROUP], dtype=np.int64)
     seqlens = batch.batch["attention_mask"].sum(dim=1)
-    minibatches = []
-    for position, group_index in enumerate(order):
-        rows = [r for g in group_index.tolist() for r in groups[keys[g]]]
-        minibatches.append(_dp_layout(batch, rows, seqlens, dp_size, position, sequence_mean))
-    return minibatches
+    laid_out = []
+    for position, groups in enumerate(minibatches):
+        rows = np.flatnonzero(np.isin(group, groups)).tolist()
+        if rows:
+            laid_out.append(_dp_layout(batch, rows, seqlens, dp_size, position, sequence_mean))
+    return laid_out
 
 
 def _dp_layout(batch: DataProto, rows: list[int], seqlens: torch.Tensor, dp_size: int, position: int,

@@ -1,12 +1,14 @@
 """The verl co-training driver: Alg. 1 step by step over two ``VerlModel`` stacks (runtime.py).
 
-Per step: the same prompt batch to both models; rollouts; rewards (graft_exp.reward on the decoded
-strings); old log-probs; GRPO (or HACPO) advantages; the method's selection; peer responses re-tokenized
-for each receiver with its own prompt tokens (batch.py) and scored under its old policy; compatibility
-weights; receiver rows (plan.py); peer-last minibatches laid out for verl's dispatch; one optimizer step
-per minibatch through the ``actor_loss`` set on the workers. Single-model methods use verl's vanilla
-GRPO loss and its standard minibatching (DAPO's group filter for ``grpo_ds``). Validation every
-``eval.val_every`` steps, best checkpoint, final evaluation ``eval.runs`` x ``eval.samples``.
+Per step: the same prompt batch to both models; rollouts; rewards (``graft_exp.reward`` on the decoded
+strings); old log-probs; then the exchange of ``graft_exp.exchange``, the same code the local backend runs
+(selection, compatibility weights, receiver rows, HACPO / SGT / pooled variants, minibatch order), with
+each receiver's ``Scorer`` backed by one batched log-prob call of its worker group (``batch.PeerScorer``);
+its ``ReceiverBatch`` laid out as verl rows and minibatches (batch.py); one optimizer step per minibatch
+through the ``actor_loss`` set on the workers. Single-model methods use verl's vanilla GRPO loss and its
+standard minibatching (DAPO's group filter for ``grpo_ds``). Trajectories are logged in the format of
+``graft_exp.trajectories``; validation, best checkpoint and final evaluation follow
+``graft_exp.evaluation``.
 
 This orchestration has never run on a GPU (no GPU in this project's CI); its CPU-side pieces are tested.
 """
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 from omegaconf import DictConfig
 from verl import DataProto
@@ -29,11 +32,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
 from graft_exp import reward, tracking
 from graft_exp.algorithms import (
-    compatibility_score,
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
     grpo_advantages,
-    hacpo_advantages,
     hacpo_capability,
     hacpo_capability_ratio,
     hacpo_positive_rate,
@@ -41,12 +42,23 @@ from graft_exp.algorithms import (
 )
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import minibatch_prompts, verl_config
-from graft_exp.backends.verl.loss import CAPABILITY_RATIO, SOURCE_MEAN_LOG_PROB, LossSpec
-from graft_exp.backends.verl.plan import receiver_rows, select_prompts
+from graft_exp.backends.verl.loss import LossSpec
 from graft_exp.backends.verl.runtime import VerlModel, start_models
+from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
+from graft_exp.exchange import (
+    ReceiverBatch,
+    Rollouts,
+    assemble,
+    peer_solved_frac,
+    plan_step,
+    rollout_metrics,
+    select_prompts,
+)
+from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
 
 log = logging.getLogger("graft_exp.verl")
 ROLES = ("A", "B")
+PEER_OF = {"A": "B", "B": "A"}
 #: Most prompt batches DAPO dynamic sampling draws for one step before training on what it kept.
 MAX_DYNAMIC_BATCHES = 20
 
@@ -58,14 +70,34 @@ def prompt_order(num_prompts: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_prompts, generator=generator)
 
 
-def bench_scores(rewards: np.ndarray, sources: np.ndarray, prompt_ids: np.ndarray) -> dict[str, float]:
-    """pass@1 per benchmark: mean over each problem's responses, then over problems (App. B); ``avg`` is
-    the unweighted mean of the benchmarks."""
-    frame = pd.DataFrame({"bench": sources, "prompt": prompt_ids, "r": rewards})
-    per_bench = frame.groupby(["bench", "prompt"]).r.mean().groupby("bench").mean()
-    scores = {str(b): float(v) for b, v in per_bench.items()}
-    scores["avg"] = float(np.mean(list(scores.values())))
-    return scores
+@dataclass(frozen=True)
+class BenchProblem:
+    """One validation problem as ``graft_exp.evaluation`` takes it, and its row in verl's dataset."""
+
+    prompt: str
+    answer: str
+    row: int
+
+
+def val_benchmarks(dataset: RLHFDataset) -> dict[str, list[BenchProblem]]:
+    """The validation set (prepare.py's benchmark Parquet files) per benchmark key (``data_source``): the
+    problem's prompt text (its user message: the problem with the paper's suffix) and gold answer."""
+    frame = dataset.dataframe
+    benchmarks: dict[str, list[BenchProblem]] = {}
+    for row, (messages, gold, source) in enumerate(zip(frame[dataset.prompt_key], frame["reward_model"],
+                                                       frame["data_source"])):
+        benchmarks.setdefault(str(source), []).append(BenchProblem(messages[-1]["content"], gold["ground_truth"], row))
+    return benchmarks
+
+
+@dataclass
+class Sampled:
+    """One model's rollouts of a step: verl's rows (prompt-major, ``n`` per prompt, with the old
+    log-probs) and the same rollouts as the exchange and the trajectory log see them."""
+
+    out: DataProto
+    rollouts: Rollouts
+    golds: list[str]          # per prompt
 
 
 class Trainer:
@@ -75,6 +107,10 @@ class Trainer:
         self.cfg, self.job, self.method = cfg, job, cfg.method
         self.dir = checkpoint_dir
         self.co_train = bool(cfg.method.co_train)
+        # The stored peer logs are looked up before any run is opened: a missing one fails cleanly.
+        self.stored = {}
+        if self.method.source == "stored":
+            self.stored = {peer: _download_stored_log(job, cfg, peer, self.dir / "stored" / peer) for peer in ROLES}
         self.runs: dict[str, tracking.TrackedRun] = {}
         for role in ROLES:
             run = tracking.open_model_run(cfg, job, role)
@@ -84,7 +120,9 @@ class Trainer:
         self.models = {role: VerlModel(role, verl_config(cfg, role, str(self.dir / role)), loss)
                        for role in self.runs}
         self.generator = torch.Generator().manual_seed(int(cfg.seed))
-        self.state = {"step": 0, "best": {}, "gpu_hours": {}, "job_gpu_hours": 0.0, "positive_rates": {}}
+        self.best = {role: BestCheckpoint() for role in self.models}
+        self.state = {"step": 0, "cursors": {role: 0 for role in self.models}, "gpu_hours": {},
+                      "job_gpu_hours": 0.0, "positive_rates": {role: [] for role in ROLES}}
         self.pool = ThreadPoolExecutor(max_workers=2)
 
     # --- setup ------------------------------------------------------------------------------------
@@ -95,6 +133,8 @@ class Trainer:
         data = first.config.data
         self.train_set = RLHFDataset(data_files=data.train_files, tokenizer=first.tokenizer, config=data)
         self.val_set = RLHFDataset(data_files=list(data.val_files), tokenizer=first.tokenizer, config=data)
+        self.benchmarks = val_benchmarks(self.val_set)
+        self.val_row = {p.prompt: p.row for problems in self.benchmarks.values() for p in problems}
         self._resume()
 
     def _state_file(self) -> Path:
@@ -104,6 +144,7 @@ class Trainer:
         if not self._state_file().exists():
             return
         self.state = json.loads(self._state_file().read_text())
+        self.best = {role: BestCheckpoint(**best) for role, best in self.state.pop("best").items()}
         for role, model in self.models.items():
             model.load(str(self.dir / role / "latest"))
         log.info("resumed at step %d from %s", self.state["step"], self.dir)
@@ -111,7 +152,8 @@ class Trainer:
     def _checkpoint(self) -> None:
         for role, model in self.models.items():
             model.save(str(self.dir / role / "latest"), self.state["step"])
-        self._state_file().write_text(json.dumps(self.state))
+        best = {role: asdict(b) for role, b in self.best.items()}
+        self._state_file().write_text(json.dumps({**self.state, "best": best}))
 
     # --- data -------------------------------------------------------------------------------------
     def total_steps(self) -> int:
@@ -131,24 +173,29 @@ class Trainer:
         return batch
 
     # --- one model's rollouts ---------------------------------------------------------------------
-    def rollout(self, role: str, prompts: DataProto, step: int, validate: bool = False) -> dict:
+    def sample(self, role: str, prompts: DataProto, n: int, step: int,
+               validate: bool = False) -> tuple[DataProto, list[str], list[bool]]:
+        """``n`` responses to each prompt (rows prompt-major: the agent loop keeps the input order), their
+        decoded strings and whether each ended with the model's EOS."""
         model = self.models[role]
-        n = int(model.config.actor_rollout_ref.rollout.val_kwargs.n if validate else self.method.n)
-        repeated = prompts.repeat(repeat_times=n, interleave=True)
-        out = model.generate(repeated, step, validate)
-        # The agent loop returns rows in input order; carry the prompt-level columns over (as verl's union).
-        for key in ("graft_prompt_id", "data_source", "reward_model", "extra_info", "uid"):
-            if key in repeated.non_tensor_batch:
-                out.non_tensor_batch[key] = repeated.non_tensor_batch[key]
-        texts, finished = vb.decode_responses(out, model.tokenizer)
-        golds = [r["ground_truth"] for r in out.non_tensor_batch["reward_model"]]
-        rewards = torch.tensor(reward.rewards(texts, golds)).view(-1, n)
-        result = {"out": out, "texts": texts, "finished": finished, "rewards": rewards, "n": n}
-        if not validate:
-            out.batch["old_log_probs"] = model.log_probs(out)
-            result["logp_sum"], result["logp_count"] = sequence_log_prob_sums(out.batch["old_log_probs"],
-                                                                              out.batch["response_mask"])
-        return result
+        out = model.generate(prompts.repeat(repeat_times=n, interleave=True), step, validate)
+        return out, *vb.decode_responses(out, model.tokenizer)
+
+    def rollout(self, role: str, prompts: DataProto, step: int) -> Sampled:
+        """A training step's rollouts of one model: rewards, old log-probs, GRPO advantages."""
+        model, n = self.models[role], int(self.method.n)
+        out, texts, finished = self.sample(role, prompts, n, step)
+        golds = [r["ground_truth"] for r in prompts.non_tensor_batch["reward_model"]]
+        rewards = torch.tensor(reward.rewards(texts, [g for g in golds for _ in range(n)])).view(-1, n)
+        out.batch["old_log_probs"] = model.log_probs(out)
+        logp_sum, num_tokens = sequence_log_prob_sums(out.batch["old_log_probs"], out.batch["response_mask"])
+        rollouts = Rollouts(
+            model=str(self.cfg.pair[role]), prompt_ids=[str(i) for i in prompts.non_tensor_batch["graft_prompt_id"]],
+            responses=[texts[q * n:(q + 1) * n] for q in range(len(golds))], rewards=rewards,
+            advantages=grpo_advantages(rewards, float(self.method.adv_eps)),
+            logp_sum=logp_sum.double().view(-1, n), num_tokens=num_tokens.view(-1, n),
+            finished=torch.tensor(finished).view(-1, n))
+        return Sampled(out, rollouts, golds)
 
     def both(self, fn, *args):
         """Run ``fn(role, *args)`` for every trained model at once (their pools are disjoint)."""
@@ -156,147 +203,123 @@ class Trainer:
         return {role: f.result() for role, f in futures.items()}
 
     # --- steps ------------------------------------------------------------------------------------
-    def step_single(self, step: int, cursor: int) -> tuple[dict, int]:
+    def step_single(self, step: int) -> dict[str, dict[str, float]]:
         """GRPO (n = method.n) for each model on its own, with verl's vanilla loss; DAPO's filter for grpo_ds."""
-        batch_size = int(self.cfg.train.batch_prompts)
-        metrics = {}
-        results = {}
+        size = int(self.cfg.train.batch_prompts)
+        sampled = {}
         for role in self.models:
-            kept, used = [], 0
-            while True:
-                prompts = self.prompt_batch(cursor + used, batch_size)
-                used += batch_size
-                result = self.rollout(role, prompts, step)
-                if not self.method.dynamic_sampling:
-                    kept = [result]
-                    break
-                keep = dynamic_sampling_group_mask(result["rewards"])
-                kept.append(_subset_groups(result, keep))
-                total = sum(len(k["rewards"]) for k in kept)
-                if dynamic_sampling_batch_full(total, batch_size) or used >= MAX_DYNAMIC_BATCHES * batch_size:
-                    break
-            result = _concat_results(kept, batch_size)
-            out, rewards = result["out"], result["rewards"]
-            advantages = grpo_advantages(rewards, float(self.method.adv_eps)).flatten()
-            out.batch["advantages"] = advantages.unsqueeze(1) * out.batch["response_mask"].float()
+            cursor = self.state["cursors"][role]
+            if self.method.dynamic_sampling:
+                sampled[role], used = self.dynamic_sampling_rollout(role, cursor, step)
+            else:
+                sampled[role], used = self.rollout(role, self.prompt_batch(cursor, size), step), size
+            self.state["cursors"][role] = cursor + used
+            out, rollouts = sampled[role].out, sampled[role].rollouts
+            out.batch["advantages"] = rollouts.advantages.flatten().unsqueeze(1) * out.batch["response_mask"].float()
             self.models[role].update_grpo(out)
-            results[role] = result
-            metrics[role] = {"train/reward_mean": float(rewards.mean()),
-                             "train/all_fail_frac": float((rewards.sum(1) == 0).float().mean())}
-            self._record(role, step, result, advantages.view_as(rewards))
-        return metrics, cursor + (used if self.method.dynamic_sampling else batch_size)
+        metrics = {role: {f"train/{k}": v for k, v in rollout_metrics(s.rollouts).items()} for role, s in sampled.items()}
+        if len(sampled) == 2 and not self.method.dynamic_sampling:   # both saw the same prompts
+            for role in ROLES:
+                metrics[role]["train/peer_solved_frac"] = peer_solved_frac(sampled[role].rollouts,
+                                                                           sampled[PEER_OF[role]].rollouts)
+        for role, s in sampled.items():
+            self._record(role, step, s)
+        return metrics
 
-    def step_co_train(self, step: int, cursor: int) -> tuple[dict, int, dict]:
+    def dynamic_sampling_rollout(self, role: str, cursor: int, step: int) -> tuple[Sampled, int]:
+        """DAPO dynamic sampling: keep groups with 0 < k < n, draw more prompt batches until the batch is
+        full (at most MAX_DYNAMIC_BATCHES; then train on what was kept, or on the last draw if nothing
+        was informative). Returns the rollouts and the number of prompts drawn."""
+        size, draws, kept = int(self.cfg.train.batch_prompts), [], 0
+        for attempt in range(MAX_DYNAMIC_BATCHES):
+            drawn = self.rollout(role, self.prompt_batch(cursor + attempt * size, size), step)
+            groups = torch.nonzero(dynamic_sampling_group_mask(drawn.rollouts.rewards)).flatten().tolist()
+            draws.append((drawn, groups[:size - kept]))
+            kept += len(draws[-1][1])
+            if dynamic_sampling_batch_full(kept, size):
+                break
+        used = len(draws) * size
+        if not kept:
+            draws = [(drawn, list(range(size)))]
+        return take_groups(draws), used
+
+    def step_co_train(self, step: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         """Alg. 1, one training step of both models (see the module docstring)."""
-        prompts = self.prompt_batch(cursor, int(self.cfg.train.batch_prompts))
-        res = self.both(self.rollout, prompts, step)
-        n = int(self.method.n)
-        k = {role: (res[role]["rewards"] > 0).sum(1) for role in ROLES}
-        adv = {role: grpo_advantages(res[role]["rewards"], float(self.method.adv_eps)) for role in ROLES}
-        sources = {"A": res["B"], "B": res["A"]}
+        size, n = int(self.cfg.train.batch_prompts), int(self.method.n)
+        prompts = self.prompt_batch(self.state["cursors"]["A"], size)
+        for role in ROLES:
+            self.state["cursors"][role] += size
+        sampled = self.both(self.rollout, prompts, step)
+        own = {role: sampled[role].rollouts for role in ROLES}
+        scorers = {role: vb.PeerScorer(sampled[role].out, n, self.models[role].tokenizer, self.models[role].log_probs)
+                   for role in ROLES}
+        ratios = {"A": 1.0, "B": 1.0}
         if self.method.source == "stored":
             # Each receiver replays its peer's GRPO n=8 log of this step (rewards re-verified); one direction
-            # per receiver, so no balancing: A->B uses A's log and B's rollouts, and vice versa.
-            sources = {receiver: self.stored_source(peer, step, prompts) for receiver, peer in (("A", "B"), ("B", "A"))}
-            a_to_b, _ = select_prompts(self.method, (sources["B"]["rewards"] > 0).sum(1), k["B"], n, self.generator)
-            b_to_a, _ = select_prompts(self.method, (sources["A"]["rewards"] > 0).sum(1), k["A"], n, self.generator)
+            # per receiver, so no balancing.
+            sources = {role: self.stored_source(PEER_OF[role], step, sampled[role]) for role in ROLES}
+            selected, plans = {}, {}
+            for role in ROLES:
+                selected[role], _ = select_prompts(self.method, sources[role].k, own[role].k, n, self.generator)
+                plans[role] = assemble(self.method, own[role], sources[role], selected[role], scorers[role],
+                                       self.generator)
+            a_to_b, b_to_a = selected["B"], selected["A"]
         else:
-            a_to_b, b_to_a = select_prompts(self.method, k["A"], k["B"], n, self.generator)
-        selected = {"B": a_to_b, "A": b_to_a}
-        hacpo_which = None
-        if self.method.peer_loss == "hacpo" and self.method.selection != "all":
-            # hacpo_which: peer rows of every prompt, HACPO advantages kept only on the selected prompts.
-            hacpo_which = dict(selected)
-            every = torch.ones_like(a_to_b)
-            selected = {"A": every, "B": every}
-        metrics = {role: {} for role in ROLES}
-        for receiver, source in (("A", "B"), ("B", "A")):
-            src = sources[receiver]
-            own_adv, peer_adv = adv[receiver], src.get("advantages", adv[source])
             if self.method.peer_loss == "hacpo":
-                own_adv, peer_adv = self._hacpo_advantages(receiver, source, res)
-            batch, stats = self._receiver_batch(receiver, source, res[receiver], src, selected[receiver], own_adv, peer_adv,
-                                                None if hacpo_which is None else hacpo_which[receiver])
-            metrics[receiver].update(stats)
-            metrics[receiver]["batch"] = batch
-            self._record(receiver, step, res[receiver], adv[receiver])
-        updates = self.both(self._update_receiver, {role: metrics[role].pop("batch") for role in ROLES})
+                ratios["A"], ratios["B"] = self.capability_ratios(own)
+            sources = {"A": own["B"], "B": own["A"]}
+            plans = {}
+            plans["A"], plans["B"], (a_to_b, b_to_a) = plan_step(
+                self.method, own["A"], own["B"], (scorers["A"], scorers["B"]), self.generator, (ratios["A"], ratios["B"]))
+        minibatches = {role: self._receiver_minibatches(role, sampled[role], sources[role], plans[role],
+                                                        scorers[role], ratios[role]) for role in ROLES}
+        updates = self.both(self._update_receiver, minibatches)
+        metrics = {}
         for role in ROLES:
+            metrics[role] = {f"train/{k}": v for k, v in {**rollout_metrics(own[role]), **plans[role].metrics}.items()}
+            metrics[role]["train/peer_solved_frac"] = peer_solved_frac(own[role], sources[role])
             metrics[role].update(updates[role])
-        return metrics, cursor + int(self.cfg.train.batch_prompts), {
-            "exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())}
+            self._record(role, step, sampled[role])
+        return metrics, {"exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())}
 
-    def _receiver_batch(self, receiver: str, source: str, own: dict, src: dict, selected: torch.Tensor, own_adv,
-                        peer_adv, hacpo_selected) -> tuple[DataProto, dict]:
-        model, n = self.models[receiver], int(self.method.n)
-        res = {receiver: own, source: src}
-        chosen = torch.nonzero(selected).flatten().tolist()
-        source_rows = [p * n + i for p in chosen for i in range(n)]
-        peer = None
-        scores = torch.zeros(len(chosen), n)
-        if chosen:
-            peer = vb.peer_batch(own["out"], {p: p * n for p in chosen}, [p for p in chosen for _ in range(n)],
-                                 [src["texts"][r] for r in source_rows], [src["finished"][r] for r in source_rows],
-                                 model.tokenizer, source=source)
-            peer.batch["old_log_probs"] = model.log_probs(peer)
-            recv_sum, recv_count = sequence_log_prob_sums(peer.batch["old_log_probs"], peer.batch["response_mask"])
-            rows = torch.tensor(source_rows)
-            scores = compatibility_score(recv_sum, recv_count.clamp(min=1), src["logp_sum"][rows],
-                                         src["logp_count"][rows].clamp(min=1)).view(len(chosen), n)
-        plan = receiver_rows(self.method, own_rewards=own["rewards"], own_advantages=own_adv,
-                             peer_rewards=src["rewards"], peer_advantages=peer_adv, selected=selected, scores=scores,
-                             generator=self.generator, hacpo_selected=hacpo_selected)
-        batch = vb.receiver_batch(own["out"], peer, plan.rows)
-        if self.method.peer_loss == "hacpo":
-            self._hacpo_columns(batch, receiver, source, res, plan.rows, source_rows)
-        return batch, plan.stats
+    def _receiver_minibatches(self, role: str, sampled: Sampled, source: Rollouts, plan: ReceiverBatch,
+                              scorer: vb.PeerScorer, capability_ratio: float) -> list[DataProto]:
+        """The exchange's batch of one receiver as verl minibatches, in the method's order."""
+        peer = scorer.score(plan.nll, source) if plan.nll else scorer.scored   # SGT scores its NLL rows only
+        batch = vb.receiver_batch(sampled.out, int(self.method.n), peer, plan)
+        hacpo = self.method.peer_loss == "hacpo"
+        if hacpo:
+            vb.hacpo_columns(batch, sampled.rollouts, source, capability_ratio)
+            if self.cfg.method.hacpo.kl_coef > 0:
+                batch.batch["ref_log_prob"] = self.models[role].log_probs(batch, reference=True)
+        groups = plan.minibatches(self.method, minibatch_prompts(self.cfg), self.generator)
+        return vb.minibatch_layout(batch, groups, dp_size=self.models[role].gpus, sequence_mean=hacpo)
 
-    def stored_source(self, peer: str, step: int, prompts: DataProto) -> dict:
-        """The peer's recorded GRPO n=8 rollouts of ``step`` (same seed, same prompt order), as a source:
-        strings, finished flags, generation log-prob sums and counts, re-verified rewards and the recorded
-        source advantages."""
-        if not hasattr(self, "_stored"):
-            self._stored = {}
-        if peer not in self._stored:
-            self._stored[peer] = _download_stored_log(self.job, self.cfg, peer, self.dir / "stored" / peer)
-        frame = pd.read_parquet(self._stored[peer] / f"step_{step:05d}.parquet")
-        ids = prompts.non_tensor_batch["graft_prompt_id"]
-        if not np.array_equal(frame.prompt_id.to_numpy()[:: int(self.method.n)], ids):
+    def capability_ratios(self, own: dict[str, Rollouts]) -> tuple[float, float]:
+        """HACPO: (capability ratio B->A, A->B) from each model's positive rates so far, this step's included."""
+        rates = self.state["positive_rates"]
+        for role in ROLES:
+            rates[role].append(float(hacpo_positive_rate(own[role].rewards)))
+        capability = {role: hacpo_capability(rates[role]) for role in ROLES}
+        return (hacpo_capability_ratio(capability["B"], capability["A"]),
+                hacpo_capability_ratio(capability["A"], capability["B"]))
+
+    def stored_source(self, peer: str, step: int, own: Sampled) -> Rollouts:
+        """The peer's recorded GRPO n=8 rollouts of ``step`` (same seed, same prompt order) as a source,
+        rewards re-verified and advantages recomputed from them (App. B "Saved peer logs")."""
+        source = step_rollouts(self.stored[peer], step, str(self.cfg.pair[peer]))
+        if source.prompt_ids != own.rollouts.prompt_ids:
             raise RuntimeError(f"stored log of {self.cfg.pair[peer]} step {step} has other prompts than this run: "
                                "replay needs the same seed and data")
-        golds = [r["ground_truth"] for r in prompts.non_tensor_batch["reward_model"] for _ in range(int(self.method.n))]
-        n = int(self.method.n)
-        return {"texts": frame.response.tolist(), "finished": frame.finished.tolist(), "n": n,
-                "rewards": torch.tensor(reward.rewards(frame.response.tolist(), golds)).view(-1, n),
-                "advantages": torch.tensor(frame.advantage.to_numpy()).float().view(-1, n),
-                "logp_sum": torch.tensor(frame.logprob_sum.to_numpy()).float(),
-                "logp_count": torch.tensor(frame.num_tokens.to_numpy())}
+        flat = [r for group in source.responses for r in group]
+        source.rewards = torch.tensor(reward.rewards(flat, [g for g in own.golds for _ in range(source.n)]))
+        source.rewards = source.rewards.view(-1, source.n)
+        source.advantages = grpo_advantages(source.rewards, float(self.method.adv_eps))
+        return source
 
-    def _hacpo_advantages(self, receiver: str, source: str, res: dict):
-        rates = self.state["positive_rates"]
-        capability = {role: hacpo_capability(rates.get(role, [])) for role in ROLES}
-        ratio = hacpo_capability_ratio(capability[source], capability[receiver])
-        self._capability_ratio = ratio
-        return hacpo_advantages(res[receiver]["rewards"], res[source]["rewards"], ratio, float(self.method.adv_eps))
-
-    def _hacpo_columns(self, batch: DataProto, receiver: str, source: str, res: dict, rows, source_rows) -> None:
-        own = res[receiver]
-        own_mean = own["logp_sum"] / own["logp_count"].clamp(min=1)
-        src_mean = res[source]["logp_sum"] / res[source]["logp_count"].clamp(min=1)
-        peer_mean = src_mean[torch.tensor(source_rows, dtype=torch.long)[rows.peer]] if len(rows.peer) else src_mean[:0]
-        batch.batch[SOURCE_MEAN_LOG_PROB] = torch.cat([own_mean[rows.own], peer_mean]).float()
-        batch.batch[CAPABILITY_RATIO] = torch.full((len(batch),), float(self._capability_ratio))
-        if self.cfg.method.hacpo.kl_coef > 0:
-            batch.batch["ref_log_prob"] = self.models[receiver].log_probs(batch, reference=True)
-
-    def _update_receiver(self, role: str, batches: dict) -> dict:
-        model, batch = self.models[role], batches[role]
-        hacpo = self.method.peer_loss == "hacpo"
-        minibatches = vb.minibatch_plan(batch, prompts_per_minibatch=minibatch_prompts(self.cfg),
-                                        ordering=str(self.method.peer_position), dp_size=model.gpus,
-                                        generator=self.generator, peer_groups_separate=hacpo, sequence_mean=hacpo)
-        raw = model.update_minibatches(minibatches)
-        kind = "seqs" if hacpo else "tokens"
+    def _update_receiver(self, role: str, minibatches: dict[str, list[DataProto]]) -> dict:
+        raw = self.models[role].update_minibatches(minibatches[role])
+        kind = "seqs" if self.method.peer_loss == "hacpo" else "tokens"
         counts = {key: float(np.sum(raw.get(f"graft/{key}", [0.0])))
                   for key in (f"{kind}_self", f"{kind}_peer", f"clipped_{kind}_self", f"clipped_{kind}_peer")}
         return {"train/clipfrac_self": counts[f"clipped_{kind}_self"] / max(counts[f"{kind}_self"], 1.0),
@@ -304,89 +327,102 @@ class Trainer:
                 "train/grad_norm": float(np.mean(raw.get("grad_norm", [0.0])))}
 
     # --- records ----------------------------------------------------------------------------------
-    def _record(self, role: str, step: int, result: dict, advantages: torch.Tensor) -> None:
-        """Append this step's rollouts to the model's stored-trajectory log and prompt-success table."""
-        out, n = result["out"], result["n"]
-        ids = out.non_tensor_batch["graft_prompt_id"]
-        mask = out.batch["response_mask"].bool()
-        frame = pd.DataFrame({
-            "step": step, "prompt_id": ids, "response_index": np.tile(np.arange(n), len(ids) // n),
-            "response": result["texts"], "finished": result["finished"],
-            "token_ids": [out.batch["responses"][i][mask[i]].tolist() for i in range(len(out))],
-            "logprob_sum": result["logp_sum"].numpy(), "num_tokens": result["logp_count"].numpy(),
-            "reward": result["rewards"].flatten().numpy(), "advantage": advantages.flatten().numpy()})
-        path = self.dir / role / "trajectories" / f"step_{step:05d}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_parquet(path, index=False)
+    def _trajectory_dir(self, role: str) -> Path:
+        return self.dir / role / "trajectories"
+
+    def _record(self, role: str, step: int, sampled: Sampled) -> None:
+        """This step's rollouts into the model's stored-trajectory log (``graft_exp.trajectories``)."""
+        tokens = vb.response_token_ids(sampled.out, sampled.rollouts.n)
+        path = write_step(self._trajectory_dir(role), step, sampled.rollouts, tokens)
         self.runs[role].log_artifact(path, "trajectories")
-        success = frame.groupby("prompt_id", sort=False).reward.sum().rename("k").reset_index()
-        success.insert(0, "step", step)
-        table = self.dir / role / "prompt_success.parquet"
-        if table.exists():
-            success = pd.concat([pd.read_parquet(table), success[~success.step.isin(pd.read_parquet(table).step)]])
-        success.to_parquet(table, index=False)
-        if self.method.peer_loss == "hacpo":
-            self.state["positive_rates"].setdefault(role, []).append(float(hacpo_positive_rate(result["rewards"])))
 
     # --- validation and evaluation ----------------------------------------------------------------
-    def evaluate(self, role: str, step: int) -> dict[str, float]:
-        prompts = DataProto.from_single_dict(collate_fn([self.val_set[i] for i in range(len(self.val_set))]))
-        ids = np.arange(len(prompts))
-        prompts.non_tensor_batch["graft_prompt_id"] = ids
-        result = self.rollout(role, prompts, step, validate=True)
-        rows = result["out"].non_tensor_batch
-        return bench_scores(result["rewards"].flatten().numpy(), rows["data_source"], rows["graft_prompt_id"])
+    def generate_fn(self, role: str, step: int):
+        """``graft_exp.evaluation``'s ``generate`` for one model: its validation prompts by text, sampled
+        by verl's agent loop at the config's ``val_kwargs`` (= ``eval.temperature`` / ``eval.top_p``).
+        The agent loop takes no per-call seed: repeated runs differ by vLLM's sampling noise."""
+        val_kwargs = self.models[role].config.actor_rollout_ref.rollout.val_kwargs
+
+        def generate(prompts: list[str], k: int, temperature: float, top_p: float, seed: int) -> list[list[str]]:
+            if (temperature, top_p) != (float(val_kwargs.temperature), float(val_kwargs.top_p)):
+                raise ValueError(f"verl samples evaluations at val_kwargs temperature {val_kwargs.temperature}, top-p "
+                                 f"{val_kwargs.top_p}; {temperature} / {top_p} were asked for")
+            batch = DataProto.from_single_dict(collate_fn([self.val_set[self.val_row[p]] for p in prompts]))
+            _, texts, _ = self.sample(role, batch, k, step, validate=True)
+            return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+        return generate
+
+    def _evaluate(self, role: str, step: int) -> dict[str, float]:
+        ev = self.cfg.eval
+        return evaluate(self.generate_fn(role, step), self.benchmarks, int(ev.get("val_samples", ev.samples)),
+                        float(ev.temperature), float(ev.top_p), int(self.cfg.seed))
 
     def validate(self, step: int) -> None:
-        scores = self.both(self.evaluate, step)
-        for role, values in scores.items():
-            self.runs[role].log_metrics({f"val/{b}": v for b, v in values.items()}, step)
-            best = self.state["best"].get(role)
-            if best is None or values["avg"] > best["avg"]:
-                self.state["best"][role] = {"avg": values["avg"], "step": step}
+        """Every model on the benchmarks; a new best average saves the best checkpoint."""
+        for role, scores in self.both(self._evaluate, step).items():
+            self.runs[role].log_metrics({f"val/{b}": v for b, v in scores.items()}, step)
+            if self.best[role].update(step, scores[AVG]):
                 self.models[role].save(str(self.dir / role / "best"), step)
 
-    def final_evaluation(self) -> None:
-        for role, model in self.models.items():
-            best = self.state["best"].get(role)
-            if best is None:
-                continue
-            model.load(str(self.dir / role / "best"))
-            for run_index in range(int(self.cfg.eval.runs)):
-                values = self.evaluate(role, best["step"])
-                self.runs[role].log_metrics({f"test/{b}": v for b, v in values.items()}, run_index)
-            self.runs[role].set_tags({"graft.best_step": str(best["step"])})
-            self.runs[role].log_artifact(self.dir / role / "prompt_success.parquet")
+    def _finish(self, role: str) -> None:
+        """Final evaluation of the best checkpoint (R runs x k samples), prompt successes, FINISHED."""
+        ev, run, best = self.cfg.eval, self.runs[role], self.best[role]
+        self.models[role].load(str(self.dir / role / "best"))
+        results = final_evaluation(self.generate_fn(role, best.step), self.benchmarks, int(ev.runs), int(ev.samples),
+                                   float(ev.temperature), float(ev.top_p), int(self.cfg.seed))
+        for index, scores in enumerate(results):
+            run.log_metrics({f"test/{b}": v for b, v in scores.items()}, index)
+        run.set_tags({"graft.best_step": str(best.step)})
+        table = write_prompt_success(read_log(self._trajectory_dir(role)), self.dir / role / "prompt_success.parquet")
+        run.log_artifact(table)
+        run.finish("FINISHED")
 
     # --- the loop ---------------------------------------------------------------------------------
     def fit(self) -> None:
         total, val_every = self.total_steps(), int(self.cfg.eval.val_every)
-        cursor = self.state.get("cursor", 0)
+        if self.state["step"] == 0:
+            self.validate(0)
         for step in range(self.state["step"] + 1, total + 1):
             started = time.monotonic()
             if self.co_train:
-                metrics, cursor, job_metrics = self.step_co_train(step, cursor)
+                metrics, job_metrics = self.step_co_train(step)
             else:
-                (metrics, cursor), job_metrics = self.step_single(step, cursor), {}
+                metrics, job_metrics = self.step_single(step), {}
             seconds = time.monotonic() - started
             self.state["job_gpu_hours"] += seconds * sum(m.gpus for m in self.models.values()) / 3600
             self.job.log_metrics({**job_metrics, "cost/gpu_hours": self.state["job_gpu_hours"]}, step)
             for role, values in metrics.items():
                 hours = self.state["gpu_hours"].get(role, 0.0) + seconds * self.models[role].gpus / 3600
                 self.state["gpu_hours"][role] = hours
-                self.runs[role].log_metrics({**values, "cost/gpu_hours": hours}, step)
-            self.state["step"], self.state["cursor"] = step, cursor
-            if step % val_every == 0 or step == total:
+                logged = {k: v for k, v in values.items() if not math.isnan(v)}   # e.g. no all-fail prompt
+                self.runs[role].log_metrics({**logged, "cost/gpu_hours": hours}, step)
+            self.state["step"] = step
+            if is_validation_step(step, val_every, total):
                 self.validate(step)
             if step % int(self.cfg.backend.save_every) == 0 or step == total:
                 self._checkpoint()
-        self.final_evaluation()
-        for run in self.runs.values():
-            run.finish("FINISHED")
+        self.both(self._finish)
 
 
-def _download_stored_log(job: tracking.TrackedRun, cfg: DictConfig, peer: str, target: Path) -> Path:
-    """The trajectory log of the peer model's finished GRPO n=8 run with this seed (backend verl)."""
+def take_groups(draws: list[tuple[Sampled, list[int]]]) -> Sampled:
+    """DAPO: the chosen prompt groups of several draws, in order, as one step's rollouts."""
+    n = draws[0][0].rollouts.n
+    rows = [(s.out, torch.tensor([q * n + i for q in groups for i in range(n)], dtype=torch.long))
+            for s, groups in draws if groups]
+    field = lambda name: torch.cat([getattr(s.rollouts, name)[groups] for s, groups in draws])
+    rollouts = Rollouts(
+        model=draws[0][0].rollouts.model,
+        prompt_ids=[s.rollouts.prompt_ids[q] for s, groups in draws for q in groups],
+        responses=[s.rollouts.responses[q] for s, groups in draws for q in groups],
+        rewards=field("rewards"), advantages=field("advantages"), logp_sum=field("logp_sum"),
+        num_tokens=field("num_tokens"), finished=field("finished"))
+    return Sampled(DataProto.concat([out[index] for out, index in rows]), rollouts,
+                   [s.golds[q] for s, groups in draws for q in groups])
+
+
+def _download_stored_log(job: tracking.TrackedRun, cfg: DictConfig, peer: str, target: Path):
+    """The trajectory log (a DataFrame, ``graft_exp.trajectories.read_log``) of the peer model's finished
+    GRPO n=8 run with this seed (backend verl)."""
     tags = {"graft.model": cfg.pair[peer], "graft.method": "grpo_n8", "graft.seed": str(cfg.seed),
             "graft.backend": "verl"}
     query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items()) + " and attributes.status = 'FINISHED'"
@@ -396,25 +432,4 @@ def _download_stored_log(job: tracking.TrackedRun, cfg: DictConfig, peer: str, t
         raise RuntimeError(f"graft_stored needs the finished grpo_n8 run of {cfg.pair[peer]} with seed {cfg.seed} on "
                            f"backend verl; train it first (method=grpo_n8)")
     target.mkdir(parents=True, exist_ok=True)
-    return Path(job.client.download_artifacts(runs[0].info.run_id, "trajectories", str(target)))
-
-
-def _subset_groups(result: dict, keep: torch.Tensor) -> dict:
-    n = result["n"]
-    rows = torch.nonzero(keep.repeat_interleave(n)).flatten()
-    return {"out": result["out"][rows], "texts": [result["texts"][i] for i in rows.tolist()],
-            "finished": [result["finished"][i] for i in rows.tolist()], "rewards": result["rewards"][keep],
-            "logp_sum": result["logp_sum"][rows], "logp_count": result["logp_count"][rows], "n": n}
-
-
-def _concat_results(parts: list[dict], groups: int) -> dict:
-    """DAPO: the first ``groups`` kept groups of the accumulated prompt batches."""
-    if len(parts) == 1:
-        return parts[0]
-    n = parts[0]["n"]
-    merged = {"out": DataProto.concat([p["out"] for p in parts]), "texts": [t for p in parts for t in p["texts"]],
-              "finished": [f for p in parts for f in p["finished"]], "n": n,
-              "rewards": torch.cat([p["rewards"] for p in parts]), "logp_sum": torch.cat([p["logp_sum"] for p in parts]),
-              "logp_count": torch.cat([p["logp_count"] for p in parts])}
-    keep = torch.arange(len(merged["rewards"])) < groups
-    return _subset_groups(merged, keep)
+    return read_log(Path(job.client.download_artifacts(runs[0].info.run_id, "trajectories", str(target))))
