@@ -97,7 +97,7 @@ def read_log(directory: Path) -> pd.DataFrame:
 
 def prompt_success(log: pd.DataFrame) -> pd.DataFrame:
     """(step, prompt_id, k): successes of each prompt's group at each step."""
-    k = log.groupby(["step", "prompt_index", "prompt_id"], sort=True)["reward"].sum().round().astype("int32")
+    k = log.groupby(["step", "prompt_index", "prompt_id"], sort=True)["reward"].sum().round().astype("int32").rename("k")
     return k.reset_index().drop(columns="prompt_index")[["step", "prompt_id", "k"]]
 
 

@@ -357,7 +357,7 @@ class LocalTrainer:
                 aux, _ = sgt_nll_loss(nll_lp, nll_mask, float(method.sgt_lambda))
                 loss = loss + aux
             policy.apply_gradients(loss)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         out = {"train/loss": sum(losses) / len(losses) if losses else float("nan")}
         if not hacpo:
             out["train/clipfrac_self"] = totals["clipped_tokens_self"] / max(totals["tokens_self"], 1.0)

@@ -59,8 +59,8 @@ class TinyRecipe:
     heads: int = 4
     intermediate: int = 384           # llama MLP width (gpt2 uses 4 x hidden)
     bpe_vocab_size: int = 400
-    max_positions: int = 256
-    steps: int = 1500
+    max_positions: int = 192
+    steps: int = 500
     batch: int = 64
     lr: float = 2e-3
     warmup: int = 50
@@ -121,7 +121,6 @@ def init_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> PreTra
             n_positions=recipe.max_positions, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
             # No dropout: RL needs the same policy when sampling and when computing log-probs.
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            activation_function="gelu_pytorch_tanh",   # one fused op; GPT-2's gelu_new is 5 on CPU
         )
         return GPT2LMHeadModel(config)
     raise ValueError(f"unknown architecture {recipe.architecture!r} (llama | gpt2)")
@@ -167,7 +166,7 @@ def warm_start(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if on_step is not None:
-            on_step(step, float(loss))
+            on_step(step, float(loss.detach()))
     model.eval()
 
 
@@ -175,8 +174,6 @@ def build(recipe: TinyRecipe, out_dir: Path, progress: bool = True) -> None:
     """Build one tiny model from scratch into ``out_dir`` (atomically: a temp dir renamed at the end)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(recipe)
     torch.manual_seed(recipe.seed)
     model = init_model(recipe, tokenizer)
@@ -186,7 +183,16 @@ def build(recipe: TinyRecipe, out_dir: Path, progress: bool = True) -> None:
     ) as bar:
         task = bar.add_task("build", total=recipe.steps, loss=float("nan"))
         warm_start(recipe, model, tokenizer, lambda step, loss: bar.update(task, advance=1, loss=loss))
+    save(recipe, model, tokenizer, out_dir)
+
+
+def save(recipe: TinyRecipe, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    """Write a built model, its tokenizer and its recipe hash; a temp dir renamed at the end, so a
+    reader never sees a half-written model."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{recipe.key}-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)   # mkdtemp's 0700 would hide the shipped assets from other users
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

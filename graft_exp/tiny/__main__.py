@@ -1,0 +1,30 @@
+"""``python -m graft_exp.tiny build``: rebuild the shipped tiny models from their recipes.
+
+Writes ``graft_exp/tiny/assets/<key>/`` (weights, tokenizer, recipe hash) for every recipe, or only
+the keys given. The build is deterministic on a given machine (seeded init, seeded data stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from graft_exp.tiny.models import ASSETS, RECIPES, build
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m graft_exp.tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("keys", nargs="*", default=list(RECIPES), help="models to build (default: all)")
+    parser.add_argument("--out", type=Path, default=ASSETS, help="directory for <key>/ (default: the shipped assets)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the shipped weights used 1)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    for key in args.keys:
+        build(RECIPES[key], args.out / key)
+
+
+if __name__ == "__main__":
+    main()
