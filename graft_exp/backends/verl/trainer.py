@@ -311,9 +311,8 @@ class Trainer:
         if source.prompt_ids != own.rollouts.prompt_ids:
             raise RuntimeError(f"stored log of {self.cfg.pair[peer]} step {step} has other prompts than this run: "
                                "replay needs the same seed and data")
-        flat = [r for group in source.responses for r in group]
-        source.rewards = torch.tensor(reward.rewards(flat, [g for g in own.golds for _ in range(source.n)]))
-        source.rewards = source.rewards.view(-1, source.n)
+        n, flat = source.n, [r for group in source.responses for r in group]
+        source.rewards = torch.tensor(reward.rewards(flat, [g for g in own.golds for _ in range(n)])).view(-1, n)
         source.advantages = grpo_advantages(source.rewards, float(self.method.adv_eps))
         return source
 
