@@ -127,7 +127,7 @@ def select_prompts(method, k_a: torch.Tensor, k_b: torch.Tensor, n: int,
     if method.selection == "complementary":
         return complementary_candidates(k_a, k_b, n), complementary_candidates(k_b, k_a, n)
     if method.selection == "rescue":
-        return EXCHANGE_RULES["sgt"](k_a, k_b, n)
+        return EXCHANGE_RULES["rescue"](k_a, k_b, n)
     a_to_b, b_to_a = EXCHANGE_RULES["balanced"](k_a, k_b, n)
     if method.selection == "random_prompts":
         a_to_b, b_to_a = count_matched_random_exchange(a_to_b, b_to_a, generator)

@@ -192,13 +192,7 @@ def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
     return rows["B"], a, a_to_b, plan, vb.receiver_batch(rows["B"], n, peer, plan)
 
 
-#: Methods with ``selection: rescue``: graft_exp.exchange.select_prompts looks that rule up as
-#: ``EXCHANGE_RULES["sgt"]``, but graft_exp.algorithms names it "rescue" (KeyError) -- to be fixed there.
-RESCUE_LOOKUP = pytest.mark.xfail(raises=KeyError, strict=True, reason="exchange.py: EXCHANGE_RULES['sgt']")
-
-
-@pytest.mark.parametrize("name", [pytest.param(m, marks=RESCUE_LOOKUP) if m in ("graft_no_balance", "sgt") else m
-                                  for m in METHODS if not m.startswith("grpo")])
+@pytest.mark.parametrize("name", [m for m in METHODS if not m.startswith("grpo")])
 def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, bpe_tokenizer):
     """Every row of the exchange's plan for receiver B is one verl row with its advantage and weight: own
     rows are B's rollouts, peer rows A's response strings in B's tokens after B's prompt; SGT's drawn

@@ -154,10 +154,13 @@ class LocalTrainer:
             raise ValueError(f"backend=local runs the generated tiny task (pair=tiny); pair={cfg.pair.name} "
                              f"uses data {cfg.pair.data!r}: use backend=verl")
         torch.manual_seed(cfg.seed)
+        if cfg.backend.get("threads"):
+            torch.set_num_threads(int(cfg.backend.threads))
         self.device = resolve_device(cfg.backend.device)
         self.progress = bool(cfg.backend.progress)
         self.problems = train_split(SKILLS, tiny.EVAL_SIZE, int(cfg.pair.train_size))
-        self.benchmarks = tiny.benchmarks(list(cfg.pair.benchmarks))
+        size = cfg.eval.get("max_problems") or tiny.EVAL_SIZE
+        self.benchmarks = {k: v[:size] for k, v in tiny.benchmarks(list(cfg.pair.benchmarks)).items()}
         batch = int(self.train_cfg.batch_prompts)
         self.total_steps = int(self.train_cfg.max_steps or self.train_cfg.total_epochs * len(self.problems) // batch)
         self.root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
@@ -424,7 +427,7 @@ class LocalTrainer:
                 start = time.perf_counter()
                 source = replayed_rollouts(member.stored_peer, step, data[role], self.cfg.pair["B" if role == "A" else "A"])
                 own = data[role].rollouts
-                _, to_receiver = select_prompts(method, source.k, own.k, own.n, gen)
+                to_receiver, _ = select_prompts(method, source.k, own.k, own.n, gen)  # (source->own, own->source)
                 batches[role] = assemble(method, own, source, to_receiver,
                                          self.scorer(member, data[role].problems, caches[role]), gen)
                 sources[role] = source
