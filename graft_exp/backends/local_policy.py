@@ -12,10 +12,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 #: Sequences per generation call: much larger batches were measured 2-3x slower on CPU.
 GENERATION_CHUNK = 256
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (the most
+    likely token always stays); the rest get probability 0 (``multinomial`` renormalises)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
 @dataclass
@@ -70,32 +81,52 @@ class LocalPolicy:
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                max_new_tokens: int, seed: int) -> Samples:
-        """n samples per prompt with a KV cache (``model.generate``), seeded; log-probs of the sampled
-        tokens under softmax(logits / temperature) (exact for the behaviour policy when top_p = 1)."""
+        """n samples per prompt, KV-cached, each prompt encoded once and its cache shared by its n
+        samples; log-probs of the sampled tokens under softmax(logits / temperature) (the behaviour
+        policy exactly when top_p = 1). Deterministic in ``seed``."""
         self.model.eval()
-        torch.manual_seed(seed)
-        rows = [ids for ids in prompt_ids for _ in range(n)]
-        config = GenerationConfig(
-            do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos, pad_token_id=self.pad, return_dict_in_generate=True, output_logits=True,
-        )
+        rng = torch.Generator(device=self.device).manual_seed(seed)
         out = Samples([], [], [], [])
-        for start in range(0, len(rows), GENERATION_CHUNK):
-            chunk = rows[start:start + GENERATION_CHUNK]
-            input_ids, attention_mask = self._left_pad(chunk)
-            result = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-            generated = result.sequences[:, input_ids.shape[1]:]
-            log_probs = torch.log_softmax(torch.stack(result.logits, dim=1).float() / temperature, dim=-1)
-            token_lp = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1).cpu()
-            generated = generated.cpu()
-            for row in range(generated.shape[0]):
-                ids = generated[row].tolist()
-                length = ids.index(self.eos) + 1 if self.eos in ids else len(ids)
-                out.token_ids.append(ids[:length])
-                out.log_probs.append(token_lp[row, :length].clone())
-                out.texts.append(self.decode(ids[:length]))
-                out.finished.append(self.eos in ids)
+        per_chunk = max(1, GENERATION_CHUNK // n)
+        for start in range(0, len(prompt_ids), per_chunk):
+            ids, lps = self._sample_chunk(prompt_ids[start:start + per_chunk], n, temperature, top_p,
+                                          max_new_tokens, rng)
+            for row in range(ids.shape[0]):
+                tokens = ids[row].tolist()
+                length = tokens.index(self.eos) + 1 if self.eos in tokens else len(tokens)
+                out.token_ids.append(tokens[:length])
+                out.log_probs.append(lps[row, :length].clone())
+                out.texts.append(self.decode(tokens[:length]))
+                out.finished.append(self.eos in tokens)
         return out
+
+    def _sample_chunk(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                      max_new_tokens: int, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, mask = self._left_pad(prompts)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        result = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = result.past_key_values
+        cache.batch_repeat_interleave(n)
+        logits = result.logits[:, -1].repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        position = positions[:, -1:].repeat_interleave(n, dim=0)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
+        tokens, log_probs = [], []
+        for _ in range(max_new_tokens):
+            lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            token = torch.multinomial(top_p_filter(lp.exp(), top_p), 1, generator=rng).squeeze(1)
+            token = torch.where(done, torch.full_like(token, self.pad), token)
+            tokens.append(token)
+            log_probs.append(lp.gather(1, token.unsqueeze(1)).squeeze(1))
+            done |= token == self.eos
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            result = self.model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position,
+                                past_key_values=cache, use_cache=True)
+            logits = result.logits[:, -1]
+        return torch.stack(tokens, dim=1).cpu(), torch.stack(log_probs, dim=1).cpu()
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -111,8 +142,20 @@ class LocalPolicy:
                         model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs [B, T] of each response given its prompt under the current parameters
         (with grad if enabled by the caller), and the response mask [B, T]. ``model``: another model
-        with this tokenizer (HACPO's frozen reference)."""
-        prompts, prompt_mask = self._left_pad(prompt_ids)
+        with this tokenizer (HACPO's frozen reference).
+
+        Rows sharing a prompt (a group) share one forward pass over it: the prompt's KV cache is
+        computed once and repeated, which is exact and, with the paper's long prompt suffix, most of
+        the cost saved."""
+        model = model or self.model
+        unique: dict[tuple[int, ...], int] = {}
+        index = [unique.setdefault(tuple(p), len(unique)) for p in prompt_ids]
+        prompts, prompt_mask = self._left_pad([list(p) for p in unique])
+        positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        prefix = model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+        select = torch.tensor(index, device=self.device)
+        cache = prefix.past_key_values
+        cache.batch_select_indices(select)
         width = max(len(r) for r in response_ids)
         responses = torch.full((len(response_ids), width), self.pad, dtype=torch.long)
         response_mask = torch.zeros((len(response_ids), width), dtype=torch.long)
@@ -120,11 +163,14 @@ class LocalPolicy:
             responses[i, :len(r)] = torch.tensor(r)
             response_mask[i, :len(r)] = 1
         responses, response_mask = responses.to(self.device), response_mask.to(self.device)
-        input_ids = torch.cat([prompts, responses], dim=1)
+        prompt_mask, positions = prompt_mask[select], positions[select]
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        logits = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        logits = logits[:, prompts.shape[1] - 1: -1].float() / self.temperature
+        response_positions = positions[:, -1:] + response_mask.cumsum(dim=1)
+        logits = model(input_ids=responses, attention_mask=attention_mask, position_ids=response_positions,
+                       past_key_values=cache, use_cache=True).logits
+        # The first response token is predicted by the prompt's last position, the others by the previous
+        # response position.
+        logits = torch.cat([prefix.logits[:, -1:][select], logits[:, :-1]], dim=1).float() / self.temperature
         log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         return log_probs, response_mask.bool()
 
