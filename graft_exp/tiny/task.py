@@ -14,7 +14,13 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
-SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+from graft_exp.prompts import format_prompt
+
+from graft_exp.prompts import SUFFIX, format_prompt
+
+__all__ = ["DATA_SEED", "SKILLS", "SUFFIX", "Problem", "benchmark", "format_prompt", "train_split",
+           "warmstart_stream"]
+
 SKILLS = ("add", "sub", "mul", "mixed")
 #: Default seed of the task data: fixed, so that every run (any training seed) sees the same splits.
 DATA_SEED = 20240
@@ -33,11 +39,6 @@ class Problem:
     @property
     def prompt(self) -> str:
         return format_prompt(self.question)
-
-
-def format_prompt(question: str) -> str:
-    """The paper's prompt: the problem followed by the step-by-step / boxed-answer suffix."""
-    return f"{question} {SUFFIX}"
 
 
 def _boxed(value: int) -> str:
