@@ -14,8 +14,6 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
-from graft_exp.prompts import format_prompt
-
 from graft_exp.prompts import SUFFIX, format_prompt
 
 __all__ = ["DATA_SEED", "SKILLS", "SUFFIX", "Problem", "benchmark", "format_prompt", "train_split",
