@@ -26,6 +26,7 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def trainer(method: str, store: Path, threads: int, overrides: list[str]) -> LocalTrainer:
+    store.mkdir(parents=True)
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             f"method={method}", f"tracking.uri=sqlite:///{store}/mlflow.db", f"checkpoint_root={store}/ckpt",
