@@ -45,6 +45,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from graft_exp import tracking
 from graft_exp.launching import scheduler, status
 from graft_exp.launching.callbacks import SWEEP_ENV
 from graft_exp.launching.jobs import CONF_DIR, ROLES, Composer, Job, estimate_gpu_hours
@@ -316,48 +317,69 @@ def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str], o
     return commands
 
 
-def launch_wave(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path, manifest: Path,
-                parallel: bool) -> None:
-    """Launch ``ready`` through Hydra (one multirun per pair) and wait for the launch commands."""
-    procs = []
+@dataclass(eq=False)
+class Launch:
+    """One ``python -m graft_exp -m`` process and the run keys of its jobs."""
+
+    proc: subprocess.Popen
+    keys: list[str]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def launch(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path, manifest: Path) -> list[Launch]:
+    """Start the multiruns of ``ready`` (one per pair) without waiting for them."""
+    launches = []
     for command, sweep_dir, keys in launch_commands(sweep, ready, overrides, out):
         with manifest.open("a") as f:
             f.write(json.dumps({"time": time.time(), "sweep_dir": str(sweep_dir), "keys": keys}) + "\n")
         console.print(f"launching {len(keys)} job(s): {' '.join(command[2:])}")
         proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", SWEEP_ENV: "1"})
-        if parallel:
-            procs.append(proc)
-        else:
-            proc.wait()
-    for proc in procs:
-        proc.wait()
+        launches.append(Launch(proc, keys))
+    return launches
 
 
 def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: float) -> int:
-    """Launch every unfinished, unqueued job in dependency waves; wait while jobs that others
-    need are running; print state changes as they happen and the final table. Exit status 1 when
-    a job failed or could not start."""
+    """Launch every job that is neither finished nor queued as soon as what it needs is trained;
+    print each launched job's state changes as they happen; end with the status table. Exit
+    status 1 when a job did not finish.
+
+    A parallel cluster's multirun process only waits for its jobs' results (Hydra's submitit
+    launcher polls them with growing intervals, and reports failures at the end); once MLflow and
+    Slurm show every job of it ended, it is stopped. On ``cluster=local`` the jobs run inside
+    the multirun process, one multirun at a time.
+    """
     manifest = out / sweep.study / "launches.jsonl"
     manifest.parent.mkdir(parents=True, exist_ok=True)
+    # The store exists before anything (this loop included) reads it: concurrent first-time
+    # schema creation by two processes crashes one of them.
+    tracking.ensure_store(sweep.uri, f"graft/{sweep.study}")
     attempted: set[str] = set()
     seen: dict[str, str] = {}
+    launches: list[Launch] = []
+    ended = (status.DONE, status.FAILED, status.CRASHED)
     while True:
         snap = snapshot(sweep, manifest, scheduler_too=True)
         for sj in sweep.jobs:
             state, log = snap.states[sj.key]
             if sj.key in attempted and seen.get(sj.key) != state:
-                style = STYLE[state]
-                console.print(f"[{style}]{state}[/] #{sj.index} {sj.job.label}" +
+                console.print(f"[{STYLE[state]}]{state}[/] #{sj.index} {sj.job.label}" +
                               (f": log {log}" if state in (status.FAILED, status.CRASHED) else ""))
             seen[sj.key] = state
+        for la in launches:
+            if parallel and la.alive() and all(snap.states[k][0] in ended for k in la.keys):
+                la.proc.terminate()   # every job ended: only the launcher's own waiting is left
+                la.proc.wait(timeout=60)
+        launches = [la for la in launches if la.alive()]
         todo = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
         ready = [sj for sj in todo if snap.ready(sj)]
-        if ready:
-            launch_wave(sweep, ready, overrides, out, manifest, parallel)
+        if ready and (parallel or not launches):
+            launches += launch(sweep, ready, overrides, out, manifest)
             attempted |= {sj.key for sj in ready}
             continue
-        active = [sj for sj in sweep.jobs if snap.state(sj) in (status.RUNNING, status.PENDING)]
-        if not active or not (todo or any(sj.key in attempted for sj in active)):
+        in_flight = [sj for sj in sweep.jobs if snap.state(sj) in (status.RUNNING, status.PENDING)]
+        if not launches and not (todo and in_flight) and not any(sj.key in attempted for sj in in_flight):
             break
         time.sleep(poll_s)
     snap = snapshot(sweep, manifest, scheduler_too=True)
@@ -392,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
     poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
-    return run(sweep, args.overrides, args.out, parallel=bool(cluster and cluster.parallel), poll_s=poll)
+    try:
+        return run(sweep, args.overrides, args.out, parallel=bool(cluster and cluster.parallel), poll_s=poll)
+    except tracking.TrackingError as err:
+        console.print(f"[red]nothing launched:[/] {err}")
+        return 2
 
 
 if __name__ == "__main__":

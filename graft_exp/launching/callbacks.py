@@ -21,6 +21,7 @@ import os
 import threading
 import traceback
 from dataclasses import dataclass
+from functools import cached_property
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
@@ -43,6 +44,10 @@ class PlannedJob:
     index: int
     overrides: list[str]
     cfg: DictConfig
+
+    @cached_property
+    def key(self) -> str:
+        return tracking.run_key(self.cfg)
 
     @property
     def label(self) -> str:
@@ -110,7 +115,7 @@ class FailureMonitor(threading.Thread):
             runs.update(status.newest_by_key(status.fetch_runs(uri)))
         queue = scheduler.slurm_queue()
         for job in self.jobs:
-            state, log_file = status.run_state(runs.get(tracking.run_key(job.cfg)), queue)
+            state, log_file = status.run_state(runs.get(job.key), queue)
             if state == self.seen.get(job.index) or state in (status.MISSING, status.PENDING):
                 continue
             self.seen[job.index] = state

@@ -1,0 +1,102 @@
+"""A real ``mlflow server`` on a real PostgreSQL (.ci/start_mlflow_server.sh): 8 tiny jobs write
+into it at the same time (``cluster=submitit_local tracking=server``) and every metric of every
+job is there afterwards; a dead server stops a sweep before anything is launched."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from graft_exp.sweep import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.service, pytest.mark.slow]
+# Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
+EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B", "exchange/B_to_A"}
+STEPS = 3
+SHORT = [f"train.max_steps={STEPS}", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=3",
+         "eval.runs=1", "eval.samples=1", "backend.progress=false", "backend.checkpoint_every=3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def postgres_installed() -> bool:
+    return any(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """PostgreSQL + ``mlflow server`` for this test session; stopped at its end."""
+    if not postgres_installed():
+        pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); CI installs "
+                    "the `postgresql` Debian package in .ci/run")
+    where = tmp_path_factory.mktemp("mlflow-server")
+    started = subprocess.run([str(ROOT / ".ci" / "start_mlflow_server.sh"), str(where), str(free_port()),
+                              str(free_port())], capture_output=True, text=True, timeout=400, check=False,
+                             env={**os.environ, "PYTHON": sys.executable})
+    try:
+        assert started.returncode == 0, started.stderr
+        yield started.stdout.strip().splitlines()[-1]
+    finally:
+        subprocess.run([str(ROOT / ".ci" / "stop_mlflow_server.sh"), str(where)], check=False, timeout=120)
+
+
+def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypatch, record_property):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    path = tmp_path / "concurrent8.yaml"
+    path.write_text("study: concurrent8\nruns:\n"
+                    "  - {pair: tiny, method: [graft, grpo_n8], seed: [0, 1, 2, 3]}\n")
+    common = ["cluster=submitit_local", "cluster.poll_s=2", "tracking=server",
+              f"checkpoint_root={tmp_path / 'checkpoints'}", *SHORT]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", str(path), "--out", str(tmp_path / "multirun"),
+                           "--poll", "2", *common], capture_output=True, text=True, timeout=1200, check=False)
+    print(f"\n8 concurrent tiny jobs into mlflow server + PostgreSQL: {time.monotonic() - started:.1f} s wall")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    sweep = plan(path, common)
+    assert len(sweep.jobs) == 8
+    client = MlflowClient(mlflow_server)
+    exp = client.get_experiment_by_name("graft/concurrent8")
+    runs = client.search_runs([exp.experiment_id], "")
+    by_key = {r.data.tags["graft.run_key"]: r for r in runs}
+    expected, lost, duplicated = 0, 0, 0
+    for sj in sweep.jobs:
+        job_run = by_key[sj.key]
+        assert job_run.info.status == "FINISHED"
+        children = [by_key[sj.job.model_keys[role]] for role in ("A", "B")]
+        for run in [job_run, *children]:
+            assert run.info.status == "FINISHED"
+            per_step = [k for k in run.data.metrics if k in EVERY_STEP]
+            assert per_step, f"run {run.info.run_id} logged no per-step metric"
+            for key in per_step:
+                counts = Counter(m.step for m in client.get_metric_history(run.info.run_id, key))
+                expected += STEPS
+                lost += len(set(range(1, STEPS + 1)) - set(counts))
+                duplicated += sum(c - 1 for c in counts.values())
+    record_property("metrics_lost_8_writers", lost)
+    print(f"8 concurrent writers: {lost} of {expected} per-step metric values lost, {duplicated} duplicated")
+    assert (lost, duplicated) == (0, 0)
+
+
+def test_dead_server_stops_the_sweep_before_submission(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", dead)
+    done = subprocess.run([sys.executable, "-m", "graft_exp", "-m", "method=graft,sgt", "tracking=server",
+                           "cluster=submitit_local", f"hydra.sweep.dir={tmp_path / 'multirun'}"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0
+    assert f"the MLflow tracking server {dead} does not answer" in done.stdout + done.stderr
+    assert not (tmp_path / "multirun" / ".submitit").exists()      # nothing was submitted
