@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.service, pytest.mark.slow]
 # Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
 EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B", "exchange/B_to_A"}
 STEPS = 3
-SHORT = [f"train.max_steps={STEPS}", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=3",
+# Short tiny jobs (2 rollouts per prompt): the test is about 8 writers at once, not about learning.
+SHORT = [f"train.max_steps={STEPS}", "method.n=2", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=3",
          "eval.runs=1", "eval.samples=1", "backend.progress=false", "backend.checkpoint_every=3"]
 
 
