@@ -116,43 +116,59 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def last_step(client: MlflowClient, run_id: str) -> int:
+    history = client.get_metric_history(run_id, "cost/gpu_hours")
+    return max((m.step for m in history), default=0)
+
+
+def release_when_held(slurm_id: str, proc: subprocess.Popen) -> None:
+    """Slurm holds a requeued job (BeginTime ~2 min ahead); release it now to keep the test short."""
+    wait_for(lambda: "BeginTime" in subprocess.run(["squeue", "-h", "-r", "-j", slurm_id, "-o", "%r"],
+                                                   capture_output=True, text=True, check=False).stdout,
+             120, "Slurm to hold the requeued job", proc)
+    subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)
+
+
 def test_requeued_job_resumes_its_run_with_each_step_once(slurm, workdir, record_property):
-    steps = 20
+    """Interrupted twice: preempted (submitit's USR2 handler checkpoints and requeues the job itself),
+    then requeued from outside (`scontrol requeue` kills it). The run stays RUNNING in between and
+    ends as one FINISHED run in which every step is recorded once."""
+    steps = 24
+    overrides = [f"train.max_steps={steps}", "eval.val_every=12"]
     path = sweep_file(workdir / "requeue.yaml", ["graft"], seed=5)
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    proc = subprocess.Popen(sweep_command(path, workdir, f"train.max_steps={steps}", "eval.val_every=10"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(sweep_command(path, workdir, *overrides), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         client = MlflowClient(uri)
 
-        def job_run_past_step_3():
+        def job_run_past(step: int):
             if not (workdir / "mlflow.db").exists():
                 return None
             for run in [r for rs in runs_by_key(uri).values() for r in rs]:
-                if "mlflow.parentRunId" not in run.data.tags and run.data.metrics:
-                    history = client.get_metric_history(run.info.run_id, "cost/gpu_hours")
-                    if history and max(m.step for m in history) >= 3:
-                        return run
+                if "mlflow.parentRunId" not in run.data.tags and last_step(client, run.info.run_id) >= step:
+                    return run
             return None
 
-        run = wait_for(job_run_past_step_3, 600, "the job to log step 3", proc)
+        run = wait_for(lambda: job_run_past(3), 600, "the job to log step 3", proc)
         slurm_id = run.data.tags["graft.slurm_job_id"]
+        subprocess.run(["scancel", "--signal=USR2", slurm_id], check=True)      # preemption notice
+        release_when_held(slurm_id, proc)
+        assert client.get_run(run.info.run_id).info.status == "RUNNING"         # resumable, not FAILED
+        preempted_at = last_step(client, run.info.run_id)
+        wait_for(lambda: job_run_past(preempted_at + 3), 600, "the resumed job to log 3 more steps", proc)
         subprocess.run(["scontrol", "requeue", slurm_id], check=True)
-        # Slurm holds a requeued job (BeginTime ~2 min ahead); release it now to keep the test short.
-        wait_for(lambda: "BeginTime" in subprocess.run(["squeue", "-h", "-r", "-j", slurm_id, "-o", "%r"],
-                                                       capture_output=True, text=True, check=False).stdout,
-                 120, "Slurm to hold the requeued job", proc)
-        subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)
+        release_when_held(slurm_id, proc)
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
 
-    sweep = plan(path, [f"tracking.uri={uri}", *SHORT, f"train.max_steps={steps}", "eval.val_every=10"])
+    sweep = plan(path, [f"tracking.uri={uri}", *SHORT, *overrides])
     (sj,) = sweep.jobs
     runs = runs_by_key(uri)
-    (job_run,) = runs[sj.key]                       # one MLflow run, not a second one after the requeue
+    (job_run,) = runs[sj.key]                       # one MLflow run, not a second one after a requeue
     assert job_run.info.run_id == run.info.run_id and job_run.info.status == "FINISHED"
     assert job_run.data.tags["graft.slurm_job_id"] == slurm_id
     duplicated, lost = 0, 0
@@ -163,7 +179,7 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, workdir, record
             if key in EVERY_STEP:
                 lost += len(set(range(1, steps + 1)) - set(counts))
     record_property("requeue_duplicated_steps", duplicated)
-    print(f"\nrequeue: {duplicated} duplicated steps, {lost} lost steps")
+    print(f"\npreemption + requeue: {duplicated} duplicated steps, {lost} lost steps")
     assert (duplicated, lost) == (0, 0)
     log = Path(job_run.data.tags["graft.log"]).read_text()
-    assert "resuming MLflow run" in log
+    assert "this job is preempted" in log and log.count("resuming MLflow run") == 2
