@@ -119,9 +119,11 @@ def plan(path: Path, overrides: list[str], composer: Composer | None = None) -> 
     """Compose every job of the sweep file ``path`` with the command-line ``overrides``."""
     spec = load(path)
     study = str(spec["study"])
+    swept = {"study", *(k for grid in spec["runs"] for k in grid if k != "after")}
     for o in overrides:
-        if o.split("=", 1)[0].lstrip("+~") == "study":
-            raise SweepError(f"{path} sets study={study}; do not override it")
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in swept:
+            raise SweepError(f"{path} sets {key}; override other keys only (or copy the sweep file)")
     owned = composer is None
     composer = composer or Composer([*overrides, f"study={study}"])
     try:

@@ -137,9 +137,10 @@ def test_fast_composition_equals_hydra(sweeps, composer):
             assert tracking.run_key(composer._full(list(sj.job.overrides))) == sj.key, sj.job.label
 
 
-def test_sweep_file_must_not_be_overridden(tmp_path):
-    with pytest.raises(SweepError, match="study"):
-        plan(ROOT / "sweeps" / "main.yaml", ["study=other"])
+@pytest.mark.parametrize("override", ["study=other", "pair=tiny", "seed=3"])
+def test_keys_the_sweep_file_sets_cannot_be_overridden(override):
+    with pytest.raises(SweepError, match=override.split("=")[0]):
+        plan(ROOT / "sweeps" / "main.yaml", [override])
 
 
 # ---------------------------------------------------------------------------------------------
