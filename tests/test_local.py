@@ -173,3 +173,24 @@ def test_corrupt_checkpoint_is_a_clear_error(make_job):
     cfg, resumed = make_job("train.max_steps=2", "backend.checkpoint_every=1")
     with pytest.raises(local.CheckpointError, match=r"ckpt-1/state.pt cannot be loaded.*rerun=true"):
         local.train(cfg, resumed)
+
+
+def test_prompt_stream_is_a_seeded_permutation_per_epoch():
+    problems = list(range(10))
+    first, again = local.PromptStream(problems, seed=3), local.PromptStream(problems, seed=3)
+    epoch = first.next(10)
+    assert sorted(epoch) == problems and epoch == again.next(10)
+    assert first.next(4) != epoch[:4] or first.next(6) != epoch[4:]          # a new order next epoch
+    resumed = local.PromptStream(problems, seed=3, cursor=10)
+    assert resumed.next(5) == local.PromptStream(problems, seed=3, cursor=10).next(5)
+    assert local.PromptStream(problems, seed=4).next(10) != epoch
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    from graft_exp.backends.local_policy import top_p_filter
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert torch.equal(top_p_filter(probs, 1.0), probs)
+    assert torch.allclose(top_p_filter(probs, 0.8), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+    assert torch.allclose(top_p_filter(probs, 0.81), torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+    assert torch.allclose(top_p_filter(probs, 0.1), torch.tensor([[0.5, 0.0, 0.0, 0.0]]))
