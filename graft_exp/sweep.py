@@ -173,7 +173,8 @@ def _order(path: Path, study: str, jobs: list[Job], after: dict[str, list[str]],
     dropped = {job.key: keepers for job, keepers in shared}
     for sj in planned.values():
         # A needed job's models may be trained by the jobs it follows (shared baselines).
-        needs = [[planned[k], *planned[k].follows] if k in planned else dropped[k] for k in after.get(sj.key, [])]
+        needs = [[planned[k], *planned[k].follows] if k in planned else dropped[k]
+                 for k in after.get(sj.key, [])]
         sj.needs = list(dict.fromkeys(n for group in needs for n in group))
     return Sweep(path, study, list(planned.values()), shared, uri)
 
@@ -267,7 +268,8 @@ def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
         for sj in sweep.jobs:
             state, log = snap.states[sj.key]
             if state in (status.FAILED, status.CRASHED):
-                console.print(f"  [red]{state}[/] #{sj.index} {sj.job.label}: log {log or 'unknown'}")
+                console.print(f"  [red]{state}[/] #{sj.index} {sj.job.label}: log {log or 'unknown'}",
+                              soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +297,8 @@ def job_file(job: Job, group_keys: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path) -> list[tuple[list[str], Path, list[str]]]:
+def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str],
+                    out: Path) -> list[tuple[list[str], Path, list[str]]]:
     """One ``python -m graft_exp -m`` command per pair (the pair fixes the launcher's resources):
     (command, its Hydra sweep dir, the run keys in job-index order)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -330,13 +333,14 @@ class Launch:
         return self.proc.poll() is None
 
 
-def launch(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path, manifest: Path) -> list[Launch]:
+def launch(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path,
+           manifest: Path) -> list[Launch]:
     """Start the multiruns of ``ready`` (one per pair) without waiting for them."""
     launches = []
     for command, sweep_dir, keys in launch_commands(sweep, ready, overrides, out):
         with manifest.open("a") as f:
             f.write(json.dumps({"time": time.time(), "sweep_dir": str(sweep_dir), "keys": keys}) + "\n")
-        console.print(f"launching {len(keys)} job(s): {' '.join(command[2:])}")
+        console.print(f"launching {len(keys)} job(s): {' '.join(command[2:])}", soft_wrap=True)
         proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", SWEEP_ENV: "1"})
         launches.append(Launch(proc, keys))
     return launches
@@ -367,7 +371,8 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
             state, log = snap.states[sj.key]
             if sj.key in attempted and seen.get(sj.key) != state:
                 console.print(f"[{STYLE[state]}]{state}[/] #{sj.index} {sj.job.label}" +
-                              (f": log {log}" if state in (status.FAILED, status.CRASHED) else ""))
+                              (f": log {log}" if state in (status.FAILED, status.CRASHED) else ""),
+                              soft_wrap=True)
             seen[sj.key] = state
         for la in launches:
             if parallel and la.alive() and all(snap.states[k][0] in ended for k in la.keys):

@@ -138,7 +138,8 @@ def accounted_gpus(cfg: DictConfig) -> int:
     """
     on_node = os.environ.get("SLURM_GPUS_ON_NODE")
     if on_node and on_node.isdigit() and int(on_node) > 0:
-        return int(on_node) * int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1
+        return int(on_node) * int(nodes)
     return max(int(cfg.pair.gpus), 1)
 
 
@@ -287,7 +288,8 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     }
     key = model_run_key(cfg, role)
     found = find_run(job.client, key)
-    if found is not None and found.info.status != "FINISHED" and found.data.tags.get(PARENT_TAG) != job.run_id:
+    unfinished = found is not None and found.info.status != "FINISHED"
+    if unfinished and found.data.tags.get(PARENT_TAG) != job.run_id:
         return None
     experiment_id = job.client.get_run(job.run_id).info.experiment_id
     name = f"{cfg.pair[role]}-{cfg.method.name}-s{cfg.seed}"

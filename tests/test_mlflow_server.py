@@ -18,11 +18,13 @@ from graft_exp.sweep import plan
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.service, pytest.mark.slow]
 # Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
-EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B", "exchange/B_to_A"}
+EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B",
+              "exchange/B_to_A"}
 STEPS = 3
 # Short tiny jobs (2 rollouts per prompt): the test is about 8 writers at once, not about learning.
-SHORT = [f"train.max_steps={STEPS}", "method.n=2", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=3",
-         "eval.runs=1", "eval.samples=1", "backend.progress=false", "backend.checkpoint_every=3"]
+SHORT = [f"train.max_steps={STEPS}", "method.n=2", "train.batch_prompts=4", "train.minibatch_prompts=2",
+         "eval.val_every=3", "eval.runs=1", "eval.samples=1", "eval.max_problems=4", "backend.progress=false",
+         "backend.checkpoint_every=3"]
 
 
 def free_port() -> int:
@@ -61,9 +63,10 @@ def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypat
     common = ["cluster=submitit_local", "cluster.poll_s=2", "tracking=server",
               f"checkpoint_root={tmp_path / 'checkpoints'}", *SHORT]
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", str(path), "--out", str(tmp_path / "multirun"),
-                           "--poll", "2", *common], capture_output=True, text=True, timeout=1200, check=False)
-    print(f"\n8 concurrent tiny jobs into mlflow server + PostgreSQL: {time.monotonic() - started:.1f} s wall")
+    done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", str(path), "--out",
+                           str(tmp_path / "multirun"), "--poll", "2", *common],
+                          capture_output=True, text=True, timeout=1200, check=False)
+    print(f"\n8 concurrent tiny jobs into mlflow server + PostgreSQL: {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 
     sweep = plan(path, common)

@@ -18,10 +18,12 @@ from graft_exp.sweep import plan
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.service, pytest.mark.slow]
 # Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
-EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B", "exchange/B_to_A"}
+EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B",
+              "exchange/B_to_A"}
 # A few steps of the tiny pair, one validation, one final evaluation: each job takes seconds.
 SHORT = ["train.max_steps=4", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=4",
-         "eval.runs=1", "eval.samples=1", "backend.progress=false", "backend.checkpoint_every=1"]
+         "eval.runs=1", "eval.samples=1", "eval.max_problems=4", "backend.progress=false",
+         "backend.checkpoint_every=1"]
 
 
 def slurm_up() -> bool:
@@ -47,7 +49,8 @@ def workdir(tmp_path, monkeypatch):
 
 
 def sweep_file(path: Path, methods: list[str], seed: int = 0) -> Path:
-    path.write_text(f"study: {path.stem}\nruns:\n  - {{pair: tiny, method: [{', '.join(methods)}], seed: {seed}}}\n")
+    grid = f"{{pair: tiny, method: [{', '.join(methods)}], seed: {seed}}}"
+    path.write_text(f"study: {path.stem}\nruns:\n  - {grid}\n")
     return path
 
 
@@ -56,6 +59,11 @@ def sweep_command(path: Path, workdir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "graft_exp.sweep", str(path), "--out", str(workdir / "multirun"),
             "--poll", "2", "cluster=slurm", "cluster.poll_s=2", f"tracking.uri={uri}",
             f"checkpoint_root={workdir / 'checkpoints'}", *SHORT, *extra]
+
+
+def run_sweep(path: Path, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(path, workdir), capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def runs_by_key(uri: str) -> dict[str, list]:
@@ -75,7 +83,7 @@ def step_counts(client: MlflowClient, run) -> dict[str, Counter]:
 def test_two_job_sweep_through_slurm(slurm, workdir, record_property):
     path = sweep_file(workdir / "slurm2.yaml", ["graft", "grpo_n8"])
     started = time.monotonic()
-    done = subprocess.run(sweep_command(path, workdir), capture_output=True, text=True, timeout=900, check=False)
+    done = run_sweep(path, workdir, timeout=900)
     wall = time.monotonic() - started
     record_property("slurm_2_job_sweep_wall_s", round(wall, 1))
     print(f"\n2-job tiny sweep through cluster=slurm: {wall:.1f} s wall")
@@ -99,7 +107,7 @@ def test_two_job_sweep_through_slurm(slurm, workdir, record_property):
             assert model_run.data.tags["mlflow.parentRunId"] == job_run.info.run_id
 
     # Everything is finished now: a second launch submits nothing.
-    again = subprocess.run(sweep_command(path, workdir), capture_output=True, text=True, timeout=300, check=False)
+    again = run_sweep(path, workdir, timeout=300)
     assert again.returncode == 0 and "launching" not in again.stdout
     assert "2 jobs: 2 finished" in again.stdout
 
@@ -133,8 +141,8 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, workdir, record
     """Interrupted twice: preempted (submitit's USR2 handler checkpoints and requeues the job itself),
     then requeued from outside (`scontrol requeue` kills it). The run stays RUNNING in between and
     ends as one FINISHED run in which every step is recorded once."""
-    steps = 24
-    overrides = [f"train.max_steps={steps}", "eval.val_every=12"]
+    steps = 16
+    overrides = [f"train.max_steps={steps}", "eval.val_every=8"]
     path = sweep_file(workdir / "requeue.yaml", ["graft"], seed=5)
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     proc = subprocess.Popen(sweep_command(path, workdir, *overrides), stdout=subprocess.PIPE,
@@ -183,3 +191,21 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, workdir, record
     assert (duplicated, lost) == (0, 0)
     log = Path(job_run.data.tags["graft.log"]).read_text()
     assert "this job is preempted" in log and log.count("resuming MLflow run") == 2
+
+
+def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir):
+    """A stored-trajectory job without the GRPO log it replays fails in the backend: the sweep names
+    it with its log while running, Slurm records FAILED (not COMPLETED) and the run is FAILED."""
+    path = sweep_file(workdir / "failing.yaml", ["graft_stored"])
+    done = run_sweep(path, workdir, timeout=900)
+    assert done.returncode == 1
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    (sj,) = plan(path, [f"tracking.uri={uri}", *SHORT]).jobs
+    (run,) = runs_by_key(uri)[sj.key]
+    assert run.info.status == "FAILED"
+    log = run.data.tags["graft.log"]
+    assert f"failed #0 pair=tiny method=graft_stored seed=0: log {log}" in done.stdout
+    assert "Traceback" in Path(log).read_text()
+    state = subprocess.run(["scontrol", "show", "job", run.data.tags["graft.slurm_job_id"]],
+                           capture_output=True, text=True, check=True).stdout
+    assert "JobState=FAILED" in state

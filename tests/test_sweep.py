@@ -68,7 +68,8 @@ def test_main_table_runs(sweeps):
     # Every paper model gets its GRPO n=8/16/32 baseline exactly once.
     trained = [(sj.job.cfg.pair[role], sj.job.cfg.method.name) for sj in main.jobs if sj.job.single_model
                for role in sj.roles]
-    assert sorted(trained) == sorted((m, g) for m in PAPER_MODELS for g in ("grpo_n8", "grpo_n16", "grpo_n32"))
+    baselines = ("grpo_n8", "grpo_n16", "grpo_n32")
+    assert sorted(trained) == sorted((m, g) for m in PAPER_MODELS for g in baselines)
     assert len(main.shared) == 3      # pair3's GRPO jobs: both models trained by pair1/pair2 jobs
 
 
@@ -90,11 +91,12 @@ def test_table_job_lists(sweeps):
     deltas = {sj.job.cfg.method.delta for sj in sweeps["delta"].jobs if sj.job.cfg.method.name == "graft"}
     assert deltas == {0.7, 0.8, 0.9} and "graft_no_floor" in methods(sweeps["delta"])
     stability = sweeps["stability"]
-    assert {(sj.job.cfg.method.name, sj.job.cfg.seed) for sj in stability.jobs if sj.job.cfg.pair.name == "pair1"} == {
-        (m, s) for m in ("grpo_n8", "graft") for s in (0, 1, 2)}
+    pair1 = {(sj.job.cfg.method.name, sj.job.cfg.seed) for sj in stability.jobs
+             if sj.job.cfg.pair.name == "pair1"}
+    assert pair1 == {(m, s) for m in ("grpo_n8", "graft") for s in (0, 1, 2)}
     assert methods(sweeps["clip_dynamics"]) == {"graft", "graft_peer_first", "graft_peer_uniform"}
-    assert methods(sweeps["compute"]) == {"grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft",
-                                          "graft_stored"}
+    assert methods(sweeps["compute"]) == {"grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt",
+                                          "graft", "graft_stored"}
     for name in ("ablation", "alternatives", "delta", "clip_dynamics", "compute"):
         assert {sj.job.cfg.pair.name for sj in sweeps[name].jobs} == {"pair1"}
 
@@ -102,9 +104,10 @@ def test_table_job_lists(sweeps):
 def test_same_config_is_the_same_run_across_sweeps(sweeps):
     """Full GRAFT on pair 1 is one run for the main table, the ablations and the delta sweep
     (method.delta=0.8 is the default), so whichever sweep trains it, the others find it."""
+    labels = ("pair=pair1 method=graft seed=0", "pair=pair1 method=graft method.delta=0.8 seed=0")
+
     def graft_key(sweep):
-        return {sj.key for sj in sweep.jobs if sj.job.label in ("pair=pair1 method=graft seed=0",
-                                                                 "pair=pair1 method=graft method.delta=0.8 seed=0")}
+        return {sj.key for sj in sweep.jobs if sj.job.label in labels}
     keys = [graft_key(sweeps[name]) for name in ("main", "ablation", "delta", "clip_dynamics", "compute")]
     assert all(k == keys[0] and len(k) == 1 for k in keys)
 
@@ -115,7 +118,8 @@ def test_stored_runs_wait_for_the_grpo_runs_they_replay(sweeps):
             if sj.job.cfg.method.name != "graft_stored":
                 continue
             pair = sj.job.cfg.pair
-            needed = {(n.job.cfg.pair[r], n.job.cfg.method.name, n.job.cfg.seed) for n in sj.needs for r in n.roles}
+            needed = {(n.job.cfg.pair[r], n.job.cfg.method.name, n.job.cfg.seed)
+                      for n in sj.needs for r in n.roles}
             assert {(pair.A, "grpo_n8", sj.job.cfg.seed), (pair.B, "grpo_n8", sj.job.cfg.seed)} <= needed
 
 

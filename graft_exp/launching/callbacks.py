@@ -143,7 +143,8 @@ class LaunchCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         jobs = multirun_jobs(config)
         if jobs is None:
-            log.warning("sweeper %s: jobs are validated one by one as they start", config.hydra.sweeper._target_)
+            log.warning("sweeper %s: jobs are validated one by one as they start",
+                        config.hydra.sweeper._target_)
             return
         problems = []
         for job in jobs:

@@ -19,7 +19,8 @@ from graft_exp.launching import scheduler
 
 RUN_COLUMNS = ["run_id", "key", "status", "start_time", "end_time", "parent", "slurm_job_id", "host",
                "pid", "log", "experiment"]
-DONE, RUNNING, PENDING, FAILED, CRASHED, MISSING = "finished", "running", "pending", "failed", "crashed", "missing"
+DONE, RUNNING, PENDING = "finished", "running", "pending"
+FAILED, CRASHED, MISSING = "failed", "crashed", "missing"
 TO_SUBMIT = (FAILED, CRASHED, MISSING)
 
 
