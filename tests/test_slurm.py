@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from graft_exp.launching import scheduler, status
 from graft_exp.sweep import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,3 +210,18 @@ def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir
     state = subprocess.run(["scontrol", "show", "job", run.data.tags["graft.slurm_job_id"]],
                            capture_output=True, text=True, check=True).stdout
     assert "JobState=FAILED" in state
+
+
+def test_state_of_a_run_follows_its_slurm_job(slurm, workdir):
+    """RUNNING in MLflow is trusted only while the job is in Slurm's queue: held -> pending,
+    gone -> crashed."""
+    held = subprocess.run(["sbatch", "--hold", "--parsable", "--wrap", "true", "-o", str(workdir / "out")],
+                          capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    try:
+        run = {"status": "RUNNING", "slurm_job_id": held, "log": "held.log"}
+        assert status.run_state(run, scheduler.slurm_queue()) == (status.PENDING, "held.log")
+        subprocess.run(["scancel", held], check=True)
+        wait_for(lambda: held not in scheduler.slurm_queue(), 60, "the job to leave the queue")
+        assert status.run_state(run, scheduler.slurm_queue()) == (status.CRASHED, "held.log")
+    finally:
+        subprocess.run(["scancel", held], check=False)

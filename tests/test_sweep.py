@@ -212,3 +212,31 @@ def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, stor
     assert "8 jobs: 1 finished, 1 running, 0 pending, 2 failed, 4 missing" in status
     assert f"failed #{failed.index} pair=tiny method=sgt seed=0: log /logs/sgt-0.log" in status
     assert f"crashed #{crashed.index} pair=tiny method=hacpo seed=0: log /logs/hacpo-0.log" in status
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks in the launching process, before anything is submitted
+
+
+def launch(tmp_path, *overrides) -> subprocess.CompletedProcess:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return subprocess.run([sys.executable, "-m", "graft_exp", "-m", f"tracking.uri={uri}",
+                           f"hydra.sweep.dir={tmp_path / 'multirun'}", *overrides],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+
+
+def test_one_invalid_job_stops_the_whole_multirun(tmp_path, store_template):
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    done = launch(tmp_path, "cluster=submitit_local", "method=graft", "method.delta=0.5,1.5")
+    assert done.returncode == 2
+    assert "invalid configuration, nothing launched" in done.stdout + done.stderr
+    assert "method.delta=1.5" in done.stdout + done.stderr
+    assert not (tmp_path / "multirun" / ".submitit").exists()
+
+
+def test_parallel_jobs_sharing_a_grpo_baseline_are_refused(tmp_path, store_template):
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    done = launch(tmp_path, "cluster=submitit_local", "pair=pair1,pair2", "method=grpo_n8")
+    assert done.returncode == 2
+    assert "both train qwen3-1.7b-base (grpo_n8, seed 0)" in done.stdout + done.stderr
+    assert not (tmp_path / "multirun" / ".submitit").exists()
