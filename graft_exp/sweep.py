@@ -183,7 +183,7 @@ def _order(path: Path, study: str, jobs: list[Job], after: dict[str, list[str]],
 # State
 
 
-def read_runs(uri: str):
+def read_runs(uri: str) -> pd.DataFrame:
     """Runs of the store, without creating a SQLite file that does not exist yet."""
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         return pd.DataFrame(columns=status.RUN_COLUMNS)
@@ -205,7 +205,8 @@ class Snapshot:
 
     def ready(self, sj: SweepJob) -> bool:
         """Whether ``sj`` may start now: what it needs is trained, and the jobs that train its
-        shared baselines have started (their runs exist, so it will not train them too)."""
+        shared baselines have ended (their model runs exist: it neither trains them too nor at the
+        same time)."""
         return (all(self.models_done(n) for n in sj.needs)
                 and all(self.state(f) in (status.DONE, status.FAILED, status.CRASHED) for f in sj.follows))
 
@@ -213,12 +214,12 @@ class Snapshot:
 def snapshot(sweep: Sweep, manifest: Path, scheduler_too: bool) -> Snapshot:
     """Job states from MLflow (newest run per key, any study) and, with ``scheduler_too``, Slurm."""
     runs = read_runs(sweep.uri)
-    newest = status.newest_by_key(runs) if runs is not None else {}
+    newest = status.newest_by_key(runs)
     queue = scheduler.slurm_queue() if scheduler_too else None
     subs = status.read_submissions(manifest) if scheduler_too else {}
     states = {sj.key: status.run_state(newest.get(sj.key), queue, subs.get(sj.key), scheduler_too)
               for sj in sweep.jobs}
-    run_status = dict(zip(runs["run_id"], runs["status"])) if runs is not None else {}
+    run_status = dict(zip(runs["run_id"], runs["status"]))
     model_done = {}
     for sj in sweep.jobs:
         for key in sj.job.model_keys.values():
@@ -247,7 +248,7 @@ def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
         table.add_column(col, justify="right" if col in ("#", "est. GPU-h") else "left")
     for sj in sweep.jobs:
         state = snap.state(sj)
-        waits = [n for n in sj.needs + sj.follows]
+        waits = sj.needs + sj.follows
         blocked = state in status.TO_SUBMIT and not snap.ready(sj)
         shown = f"[{STYLE[state]}]{state}[/]" + (" (waits)" if blocked else "")
         table.add_row(str(sj.index), sj.job.label, sj.key, shown, f"{sj.gpu_hours:.1f}",
