@@ -9,6 +9,7 @@ no run yet is ``pending`` while Slurm holds it and ``crashed`` once it left the 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,9 +61,14 @@ class Submission:
     index: int
 
     def slurm_job_id(self) -> str | None:
-        """``<array>_<index>`` from submitit's per-job folder, once the array is submitted."""
-        found = sorted(Path(self.sweep_dir, ".submitit").glob(f"*_{self.index}"))
-        return found[-1].name if found else None
+        """The Slurm id from submitit's per-job folder once submitted: ``<array>_<index>``, or a
+        plain id when the multirun had one job (submitit then submits no array)."""
+        folder = Path(self.sweep_dir, ".submitit")
+        names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+        found = sorted(n for n in names if re.fullmatch(rf"\d+_{self.index}", n))
+        if not found and self.index == 0:
+            found = sorted(n for n in names if n.isdigit() and Path(folder, n, f"{n}_submitted.pkl").exists())
+        return found[-1] if found else None
 
     def log(self) -> str:
         job = self.slurm_job_id()
