@@ -466,8 +466,8 @@ class LocalTrainer:
         return metrics
 
     def device_hours(self, seconds: float) -> float:
-        """Device-hours: wall seconds of training steps x max(1, GPUs of the pair) (DESIGN.md)."""
-        return seconds * max(1, int(self.cfg.pair.gpus)) / 3600.0
+        """Device-hours: wall seconds of training steps x the job's accounted GPUs (DESIGN.md)."""
+        return seconds * tracking.accounted_gpus(self.cfg) / 3600.0
 
     # ------------------------------------------------------------------ evaluation
     def generate_fn(self, member: Member):
@@ -624,8 +624,11 @@ def train(cfg: DictConfig, job: TrackedRun, *, stop_at_step: int | None = None) 
     trainer = LocalTrainer(cfg, job)
     try:
         return trainer.run(stop_at_step=stop_at_step)
-    except BaseException:
+    except (Exception, KeyboardInterrupt) as err:
+        # A preemption (SystemExit from submitit's signal handler) is not caught: those runs stay
+        # RUNNING, and the requeued job resumes them.
+        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         for member in trainer.members.values():
             if member.run is not None and member.run.status == "RUNNING":
-                member.run.finish("FAILED")
+                member.run.finish(status)
         raise
