@@ -1,8 +1,11 @@
-import pytest
-from hydra import compose, initialize_config_module  # noqa: F401  (re-exported for tests)
-from hydra.core.global_hydra import GlobalHydra
-from hydra import initialize_config_dir
+import os
 from pathlib import Path
+
+import mlflow
+import pytest
+from hydra import compose, initialize_config_dir, initialize_config_module  # noqa: F401  (re-exported for tests)
+from hydra.core.global_hydra import GlobalHydra
+from mlflow.tracking import MlflowClient
 
 from graft_exp.config import register_schemas
 
@@ -19,3 +22,16 @@ def compose_cfg():
             return compose(config_name="config", overrides=list(overrides))
     yield _compose
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def store_template(request) -> Path:
+    """An empty, fully migrated SQLite store, built once (MLflow's migrations take seconds) and
+    copied by every test that needs one."""
+    cache = Path(request.config.cache.mkdir("graft-mlflow-store"))
+    db = cache / f"mlflow-{mlflow.__version__}.db"
+    if not db.exists():
+        tmp = cache / f"building-{os.getpid()}.db"
+        MlflowClient(f"sqlite:///{tmp}").search_experiments()
+        tmp.replace(db)
+    return db

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -149,17 +148,6 @@ def test_keys_the_sweep_file_sets_cannot_be_overridden(override):
 
 # ---------------------------------------------------------------------------------------------
 # --dry-run and --status on a real store
-
-
-@pytest.fixture(scope="session")
-def store_template(request) -> Path:
-    cache = Path(request.config.cache.mkdir("graft-mlflow-store"))
-    db = cache / f"mlflow-{mlflow.__version__}.db"
-    if not db.exists():
-        tmp = cache / f"building-{os.getpid()}.db"
-        MlflowClient(f"sqlite:///{tmp}").search_experiments()
-        tmp.replace(db)
-    return db
 
 
 TINY_SWEEP = """\

@@ -2,32 +2,16 @@
 FINISHED keys, resumption of unfinished ones (same run, each step once), refusal of a second live
 copy, ownership of shared GRPO baselines, GPU accounting."""
 
-import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from graft_exp import tracking
-
-
-@pytest.fixture(scope="session")
-def store_template(request) -> Path:
-    """An empty, fully migrated SQLite store, built once (MLflow's migrations take seconds) and
-    copied by every test that needs one."""
-    cache = Path(request.config.cache.mkdir("graft-mlflow-store"))
-    db = cache / f"mlflow-{mlflow.__version__}.db"
-    if not db.exists():
-        tmp = cache / f"building-{os.getpid()}.db"
-        MlflowClient(f"sqlite:///{tmp}").search_experiments()
-        tmp.replace(db)
-    return db
 
 
 @pytest.fixture
