@@ -45,8 +45,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from graft_exp import tracking
-from graft_exp.launching import scheduler, status
+from graft_exp import scheduler, tracking
+from graft_exp.launching import status
 from graft_exp.launching.callbacks import SWEEP_ENV
 from graft_exp.launching.jobs import CONF_DIR, ROLES, Composer, Job, estimate_gpu_hours
 

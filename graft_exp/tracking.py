@@ -20,7 +20,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp.launching import scheduler
+from graft_exp import scheduler
 
 # Config sections that say where or how a job runs, not what it computes.
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")

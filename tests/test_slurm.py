@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from graft_exp.launching import scheduler, status
+from graft_exp import scheduler
+from graft_exp.launching import status
 from graft_exp.sweep import plan
 
 ROOT = Path(__file__).resolve().parents[1]

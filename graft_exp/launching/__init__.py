@@ -1,1 +1,1 @@
-"""Launching jobs and sweeps: pre-launch checks (Hydra callback), scheduler state, sweep files."""
+"""Launching jobs and sweeps: pre-launch checks (Hydra callback), job states, sweep files."""

@@ -31,9 +31,9 @@ from hydra.experimental.callback import Callback
 from mlflow.exceptions import MlflowException
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import tracking
+from graft_exp import scheduler, tracking
 from graft_exp.config import ConfigError, validate
-from graft_exp.launching import scheduler, status
+from graft_exp.launching import status
 
 log = logging.getLogger("graft_exp.launch")
 SWEEP_ENV = "GRAFT_SWEEP_LAUNCH"   # set by python -m graft_exp.sweep in the multiruns it starts

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from graft_exp.launching import scheduler
+from graft_exp import scheduler
 
 RUN_COLUMNS = ["run_id", "key", "status", "start_time", "end_time", "parent", "slurm_job_id", "host",
                "pid", "log", "experiment"]
