@@ -23,6 +23,8 @@ ADVANTAGES = ("source", "pooled")
 PEER_RESPONSES = ("all", "success")
 SOURCES = ("online", "stored")
 BACKENDS = ("local", "verl")
+ROLES = ("A", "B")               # the two models of a pair
+PEER_OF = {"A": "B", "B": "A"}
 
 
 class ConfigError(ValueError):
@@ -37,7 +39,6 @@ class HacpoConfig:
     self_clip_high: float = 4e-4
     peer_clip_init: float = 0.8      # L_m = min(1, init + step * m)
     peer_clip_step: float = 0.025
-    peer_loss_coef: float = 1.0
     kl_coef: float = 1e-3
     minibatch_prompts: int = 64
 
@@ -66,6 +67,7 @@ class MethodConfig:
     dynamic_sampling: bool = False    # DAPO: drop zero-variance groups, refill the batch
     clip_low: float = 0.2
     clip_high: float = 0.28
+    clip_ratio_c: float = 3.0         # verl's dual clip for A < 0, the same for every method (GRPO's loss)
     adv_eps: float = 1e-6
     sgt_lambda: float = 0.1           # SGT's NLL coefficient
     luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
@@ -110,6 +112,8 @@ def validate(cfg: DictConfig) -> None:
             f"clip range (1-{method.clip_low}, 1+{method.clip_high}) is invalid; "
             "need 0 <= method.clip_low < 1 and method.clip_high >= 0"
         )
+    if not method.clip_ratio_c > 1:
+        raise ConfigError(f"method.clip_ratio_c={method.clip_ratio_c} must be > 1 (verl's dual clip; 3.0)")
     if method.adv_eps <= 0:
         raise ConfigError(f"method.adv_eps={method.adv_eps} must be > 0 (paper: 1e-6)")
     _choice(method.source, SOURCES, "method.source")

@@ -228,3 +228,72 @@ def test_policy_losses_reject_bad_input(kwargs, message):
     for fn in POLICY_LOSSES.values():
         with pytest.raises(ValueError, match=message):
             fn(**args)
+
+
+def _vanilla_config(clip_low: float, clip_high: float, clip_ratio_c: float):
+    """verl's own ActorConfig with the clip settings (the config compute_policy_loss_vanilla reads)."""
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=1, use_dynamic_bsz=True,
+                       ppo_max_token_len_per_gpu=64,
+                       clip_ratio=clip_low, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                       clip_ratio_c=clip_ratio_c, loss_agg_mode="token-mean")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_graft_without_peers_equals_verl_vanilla_bit_for_bit(seed):
+    """GRAFT with unit weights and no peer rows is verl's GRPO loss (compute_policy_loss_vanilla, dual clip
+    3, token-mean), value and gradient identical bit for bit, on random inputs where negative advantages
+    meet ratios far above 3 (the dual clip acts) and below 1 - 0.2."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = 16, 24
+    old = -torch.rand(rows, width, generator=gen) * 4
+    log_prob = (old + torch.randn(rows, width, generator=gen) * 1.5).requires_grad_(True)
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    advantages = torch.randn(rows, generator=gen).unsqueeze(1) * mask
+    ratio = torch.exp(log_prob.detach() - old)
+    assert bool(((advantages < 0) & (ratio > 3) & mask.bool()).any())       # the dual clip has work to do
+
+    ours, _ = graft_policy_loss(log_prob, old, advantages, torch.ones(rows), mask, 0.2, 0.28, clip_ratio_c=3.0)
+    (our_grad,) = torch.autograd.grad(ours, log_prob)
+    theirs, _ = compute_policy_loss_vanilla(old, log_prob, advantages, mask, "token-mean",
+                                            _vanilla_config(0.2, 0.28, 3.0))
+    (their_grad,) = torch.autograd.grad(theirs, log_prob)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(our_grad, their_grad)
+    # without the dual clip the two differ (so the test above is not vacuous)
+    plain, _ = graft_policy_loss(log_prob, old, advantages, torch.ones(rows), mask, 0.2, 0.28)
+    assert not torch.equal(plain, theirs)
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    """A < 0 and ratio 5 > c = 3: the term is c * A with no gradient; A > 0 is untouched by c."""
+    log_prob, old = log_probs_from_ratios([[5.0], [5.0]])
+    mask = torch.ones(2, 1)
+    for advantage, expected, grad in ((-1.0, 3.0, 0.0), (1.0, -1.28, 0.0)):
+        lp = log_prob[:1].detach().clone().requires_grad_(True)
+        loss, _ = graft_policy_loss(lp, old[:1], torch.tensor([advantage], dtype=torch.float64), torch.ones(1),
+                                    mask[:1], 0.2, 0.28, clip_ratio_c=3.0)
+        assert loss.item() == pytest.approx(expected)
+        (g,) = torch.autograd.grad(loss, lp)
+        assert g.item() == grad
+    # ratio 2 < c under A < 0: the ordinary surrogate (-2 * -1 = 2) and its gradient
+    lp, old2 = log_probs_from_ratios([[2.0]])
+    loss, _ = graft_policy_loss(lp, old2, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1), torch.ones(1, 1),
+                                clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(2.0)
+    for fn in POLICY_LOSSES.values():
+        with pytest.raises(ValueError, match="clip_ratio_c"):
+            fn(lp, old2, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1), torch.ones(1, 1), clip_ratio_c=1.0)
+
+
+def test_dual_clip_in_sequence_ratio_and_luffy_own_tokens():
+    log_prob, old = log_probs_from_ratios([[5.0, 5.0]])
+    args = (torch.tensor([-1.0], dtype=torch.float64), torch.ones(1), torch.ones(1, 2), 0.2, 0.28)
+    for fn in (sequence_ratio_policy_loss, luffy_policy_loss):
+        bounded, _ = fn(log_prob, old, *args, clip_ratio_c=3.0)
+        plain, _ = fn(log_prob, old, *args)
+        assert bounded.item() == pytest.approx(3.0) and plain.item() == pytest.approx(5.0)

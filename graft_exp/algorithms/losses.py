@@ -4,7 +4,10 @@ the LUFFY-style peer objective, and SGT's auxiliary NLL.
 All policy losses share one signature so that a trainer picks one by name from ``POLICY_LOSSES``::
 
     loss, metrics = fn(log_prob, old_log_prob, advantages, weights, response_mask,
-                       clip_low, clip_high, *, is_peer=None, num_tokens=None)
+                       clip_low, clip_high, *, is_peer=None, num_tokens=None, clip_ratio_c=None)
+
+``clip_ratio_c`` (> 1) is verl's dual clip for negative advantages (the objective of an A < 0 token is
+at least clip_ratio_c * A); None leaves it off.
 
 Shapes: ``log_prob``, ``old_log_prob``, ``response_mask`` are [B, T] (B sequences, T padded response
 tokens; ``log_prob`` carries the gradient, ``old_log_prob`` is the receiver's behaviour policy for own
@@ -98,11 +101,25 @@ def _wide(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
+def _check_clip_ratio_c(clip_ratio_c: float | None) -> None:
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1 when given, got {clip_ratio_c!r}")
+
+
 def _clipped_objective(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A) and the Appendix-H clipped-token mask."""
+    """min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A) and the Appendix-H clipped-token mask.
+
+    With ``clip_ratio_c`` (dual-clip PPO, Ye et al. 2020, as verl's ``compute_policy_loss_vanilla``):
+    for A < 0 the objective is bounded below by clip_ratio_c * A, so a token whose ratio grew past
+    clip_ratio_c under a negative advantage stops pushing (its gradient is 0). The clipped-token mask
+    keeps the Appendix-H definition (the dual bound acts only where that mask is already false).
+    """
     objective = torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages)
+    if clip_ratio_c is not None:
+        objective = torch.where(advantages < 0, torch.maximum(objective, advantages * clip_ratio_c), objective)
     clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
     return objective, clipped
 
@@ -156,21 +173,24 @@ def graft_policy_loss(
     *,
     is_peer: torch.Tensor | None = None,
     num_tokens: int | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRAFT's objective, eq. (10), as a loss: token-level clipped surrogate with the ratio against the
     receiver's old policy for own and peer tokens alike, each sequence's terms times its weight, divided
     by the number of response tokens of the rows present (weight > 0).
 
-    With unit weights and no peers this is the DAPO/verl ``token-mean`` GRPO loss (eq. 2), without
-    verl's dual-clip (which only acts when A < 0 and ratio > 3). See the module docstring for shapes,
-    ``is_peer``, ``num_tokens`` and the metrics.
+    ``clip_ratio_c`` adds verl's dual clip for negative advantages (every method's config sets it, 3.0;
+    None keeps the plain clipped surrogate). With unit weights, no peers and ``clip_ratio_c`` = verl's,
+    this is verl's ``compute_policy_loss_vanilla`` with ``token-mean`` (the DAPO/verl GRPO loss, eq. 2),
+    value for value. See the module docstring for shapes, ``is_peer``, ``num_tokens`` and the metrics.
     """
     present, advantages, is_peer = _prepare(
         log_prob, old_log_prob, advantages, weights, response_mask, clip_low, clip_high, is_peer, num_tokens
     )
+    _check_clip_ratio_c(clip_ratio_c)
     log_ratio = _masked(log_prob - old_log_prob, present).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    objective, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high)
+    objective, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high, clip_ratio_c)
     return _token_mean_loss(objective, weights, ratio, log_ratio, clipped, present, is_peer, num_tokens)
 
 
@@ -185,6 +205,7 @@ def sequence_ratio_policy_loss(
     *,
     is_peer: torch.Tensor | None = None,
     num_tokens: int | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``graft_seq_ratio`` ("w/o token-level ratio", App. G): eq. (10) with every token's ratio replaced
     by its sequence's length-normalised ratio exp(mean_t(log pi_theta - log pi_old)) (the geometric mean
@@ -203,7 +224,8 @@ def sequence_ratio_policy_loss(
     sequence_log_ratio = (token_log_ratio.sum(dim=1) / lengths).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     log_ratio = _masked(sequence_log_ratio.unsqueeze(1).expand_as(log_prob), present)
     ratio = torch.exp(log_ratio)
-    objective, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high)
+    _check_clip_ratio_c(clip_ratio_c)
+    objective, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high, clip_ratio_c)
     return _token_mean_loss(objective, weights, ratio, log_ratio, clipped, present, is_peer, num_tokens)
 
 
@@ -226,10 +248,12 @@ def luffy_policy_loss(
     is_peer: torch.Tensor | None = None,
     num_tokens: int | None = None,
     gamma: float = 0.1,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``graft_luffy`` (App. G): peer tokens contribute -f(pi_theta(token)) * A with f(p) = p/(p+gamma)
     (behaviour probability taken as 1, no clipping, ``old_log_prob`` unused for them); own tokens use
-    the clipped surrogate of eq. (10); same weights and token-mean denominator.
+    the clipped surrogate of eq. (10) (dual-clipped with ``clip_ratio_c``); same weights and token-mean
+    denominator.
 
     LUFFY replaces the compatibility gate, so a trainer passes weight 1 for peer rows. Peer tokens are
     never counted as clipped; ``ratio_mean`` and ``ppo_kl`` still use the receiver-old ratio.
@@ -239,7 +263,8 @@ def luffy_policy_loss(
     )
     log_ratio = _masked(log_prob - old_log_prob, present).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    own_objective, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high)
+    _check_clip_ratio_c(clip_ratio_c)
+    own_objective, clipped = _clipped_objective(ratio, advantages, clip_low, clip_high, clip_ratio_c)
     peer_objective = luffy_shaping(torch.exp(_masked(log_prob, present)), gamma) * advantages
     peer_rows = is_peer.unsqueeze(1).expand_as(log_prob)
     objective = torch.where(peer_rows, peer_objective, own_objective)
