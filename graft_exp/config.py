@@ -1,14 +1,17 @@
-"""Typed schema of the method group and the validation every job runs before it starts.
+"""Typed schemas of the config root and the method group, and the validation every job runs before it starts.
 
-The method schema is registered in Hydra's ConfigStore as ``method/schema``; every
-``conf/method/*.yaml`` extends it (directly or through ``graft``), so a misspelt key in a
-method file or on the command line fails at composition. ``validate`` then checks the values
-and the combination (pair x method x backend) and raises ``ConfigError`` naming the fix.
+The root schema (``config_schema``, first in ``conf/config.yaml``'s defaults) types the top-level
+keys, so ``seed=abc`` or ``rerun=maybe`` fails at composition, before any run exists. The method
+schema is registered as ``method/schema``; every ``conf/method/*.yaml`` extends it (directly or
+through ``graft``), so a misspelt key in a method file or on the command line fails at
+composition. ``validate`` then checks the values and the combination (pair x method x backend)
+and raises ``ConfigError`` naming the fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -74,8 +77,29 @@ class MethodConfig:
     hacpo: HacpoConfig = field(default_factory=HacpoConfig)
 
 
+@dataclass
+class RootConfig:
+    """The top-level keys of ``conf/config.yaml``: scalars typed here, sections typed by their own
+    group schema (``method``) or left to validate()."""
+
+    seed: int = MISSING
+    study: str = MISSING
+    rerun: bool = MISSING
+    checkpoint_root: str = MISSING
+    pair: Any = MISSING
+    method: Any = MISSING
+    backend: Any = MISSING
+    cluster: Any = MISSING
+    tracking: Any = MISSING
+    models: Any = MISSING
+    train: Any = MISSING
+    eval: Any = MISSING
+
+
 def register_schemas() -> None:
-    ConfigStore.instance().store(group="method", name="schema", node=MethodConfig)
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=RootConfig)
+    store.store(group="method", name="schema", node=MethodConfig)
 
 
 def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
