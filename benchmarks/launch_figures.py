@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SHORT = ["train.max_steps=4", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=4",
               "eval.runs=1", "eval.samples=1", "eval.max_problems=4", "backend.progress=false",
-              "backend.checkpoint_every=1"]
+              "train.save_every=1"]
 
 
 def timed(command: list[str], cwd: Path, env: dict | None = None) -> float:

@@ -19,20 +19,21 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from graft_exp import tracking
-from graft_exp.backends.local import LocalTrainer
+from graft_exp.driver import Driver
+from graft_exp.backends.local import LocalBackend
 from graft_exp.config import register_schemas, validate
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def trainer(method: str, store: Path, threads: int, overrides: list[str]) -> LocalTrainer:
+def trainer(method: str, store: Path, threads: int, overrides: list[str]) -> Driver:
     store.mkdir(parents=True)
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             f"method={method}", f"tracking.uri=sqlite:///{store}/mlflow.db", f"checkpoint_root={store}/ckpt",
             "backend.progress=false", f"backend.threads={threads}", *overrides])
     validate(cfg)
-    return LocalTrainer(cfg, tracking.open_job(cfg))
+    return Driver(cfg, tracking.open_job(cfg), LocalBackend)
 
 
 def main() -> None:
@@ -51,10 +52,10 @@ def main() -> None:
             times = {}
             for name, t in (("graft", graft), ("grpo_n8", grpo)):
                 start = time.perf_counter()
-                metrics = t.step(step)
+                _, job_metrics = t.co_train_step(step)
                 times[name] = time.perf_counter() - start
                 if name == "graft":
-                    exchanged = metrics["job"]["exchange/A_to_B"], metrics["job"]["exchange/B_to_A"]
+                    exchanged = job_metrics["exchange/A_to_B"], job_metrics["exchange/B_to_A"]
             if step > 1:
                 for name in totals:
                     totals[name] += times[name]

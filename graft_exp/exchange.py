@@ -40,31 +40,9 @@ from graft_exp.algorithms import (
     random_admission_weights,
     success_only_weights,
 )
+from graft_exp.rollouts import Rollouts
 
 SELF, PEER = "self", "peer"
-
-
-@dataclass
-class Rollouts:
-    """One model's n responses to each prompt of the batch, as generated (and as logged)."""
-
-    model: str
-    prompt_ids: list[str]
-    responses: list[list[str]]            # [P][n] decoded strings
-    rewards: torch.Tensor                 # [P, n] binary
-    advantages: torch.Tensor              # [P, n] GRPO advantages of this group (eq. 1)
-    logp_sum: torch.Tensor                # [P, n] generation log-prob sum (the source policy)
-    num_tokens: torch.Tensor              # [P, n] generated tokens
-    finished: torch.Tensor                # [P, n] bool: ended with the end-of-sequence token
-
-    @property
-    def n(self) -> int:
-        return self.rewards.shape[1]
-
-    @property
-    def k(self) -> torch.Tensor:
-        """k_M(q): successes per prompt (long [P])."""
-        return self.rewards.sum(dim=1).round().long()
 
 
 #: ``scorer(prompts [S], source) -> (logp_sum [S, n], num_tokens [S, n])``: receiver-old log-prob sums

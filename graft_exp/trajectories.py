@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from graft_exp.exchange import Rollouts
+from graft_exp.rollouts import Rollouts
 
 SCHEMA = pa.schema([
     ("step", pa.int32()),

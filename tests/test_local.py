@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from graft_exp import tracking
+from graft_exp import driver, tracking
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
 
@@ -47,21 +47,22 @@ def model_runs(client: MlflowClient, job_id: str) -> dict[str, object]:
 @pytest.mark.parametrize("method", METHODS)
 def test_one_step_of_every_method_changes_the_parameters(make_job, method):
     cfg, job = make_job(f"method={method}")
-    trainer = local.LocalTrainer(cfg, job)
-    before = {role: [p.detach().clone() for p in m.policy.model.parameters()] for role, m in trainer.members.items()}
-    metrics = trainer.step(1)
-    for role, member in trainer.members.items():
-        changed = any(not torch.equal(a, b) for a, b in zip(before[role], member.policy.model.parameters()))
+    trainer = driver.Driver(cfg, job, local.LocalBackend)
+    policies = trainer.backend.policies
+    before = {role: [p.detach().clone() for p in policy.model.parameters()] for role, policy in policies.items()}
+    metrics, job_metrics = trainer.co_train_step(1)
+    for role, policy in policies.items():
+        changed = any(not torch.equal(a, b) for a, b in zip(before[role], policy.model.parameters()))
         assert changed, f"{method}: model {role} did not change"
         assert 0.0 <= metrics[role]["train/reward_mean"] <= 1.0
-    assert metrics["job"]["cost/gpu_hours"] > 0
+    assert job_metrics["cost/gpu_hours"] > 0
 
 
 @pytest.mark.slow
 def test_graft_step_exchanges_trajectories(make_job):
     cfg, job = make_job("train.batch_prompts=16")
-    metrics = local.LocalTrainer(cfg, job).step(1)
-    assert metrics["job"]["exchange/A_to_B"] > 0 and metrics["job"]["exchange/B_to_A"] > 0
+    metrics, job_metrics = driver.Driver(cfg, job, local.LocalBackend).co_train_step(1)
+    assert job_metrics["exchange/A_to_B"] > 0 and job_metrics["exchange/B_to_A"] > 0
     assert metrics["A"]["train/peer_groups"] > 0 and metrics["B"]["train/peer_groups"] > 0
     assert metrics["A"]["train/peer_admitted"] + metrics["B"]["train/peer_admitted"] > 0
     for role in ("A", "B"):   # complementarity of the shipped pair at the first RL step
@@ -112,7 +113,7 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
 
 @pytest.mark.slow
 def test_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
-    overrides = ("train.max_steps=3", "backend.checkpoint_every=2")
+    overrides = ("train.max_steps=3", "train.save_every=2")
     whole_store, split_store = tmp_path / "whole", tmp_path / "split"
     whole_store.mkdir(), split_store.mkdir()
     cfg, job = make_job(*overrides, store=whole_store)
@@ -135,17 +136,17 @@ def test_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
 
 @pytest.mark.slow
 def test_stored_replay_needs_and_uses_the_peer_grpo_log(make_job, tmp_path):
-    with pytest.raises(local.StoredLogMissing, match=r"launch `python -m graft_exp pair=tiny method=grpo_n8 seed=0`"):
+    with pytest.raises(driver.StoredLogMissing, match=r"launch `python -m graft_exp pair=tiny method=grpo_n8 seed=0`"):
         make_stored = make_job("method=graft_stored", "train.max_steps=2")
         local.train(*make_stored)
     cfg, job = make_job("method=grpo_n8", "train.max_steps=2")
     local.train(cfg, job)
     job.finish("FINISHED")
     cfg, job = make_job("method=graft_stored", "train.max_steps=2")
-    trainer = local.LocalTrainer(cfg, job)
+    trainer = driver.Driver(cfg, job, local.LocalBackend)
     source = trainer.members["B"].stored_peer        # B replays A's GRPO log
     assert sorted(source.step.unique()) == [1, 2] and len(source) == 2 * 8 * 8
-    metrics = trainer.step(1)
+    metrics, _ = trainer.co_train_step(1)
     for role in ("A", "B"):
         assert metrics[role]["train/reward_mean"] >= 0 and "train/peer_groups" in metrics[role]
     # The replayed step's prompts are the GRPO run's (same seed, same order).
@@ -164,26 +165,25 @@ def test_bad_pairs_fail_clearly(compose_cfg, tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_is_a_clear_error(make_job):
-    cfg, job = make_job("train.max_steps=2", "backend.checkpoint_every=1")
+def test_corrupt_checkpoint_is_a_clear_error(make_job, tmp_path):
+    cfg, job = make_job("train.max_steps=2", "train.save_every=1")
     local.train(cfg, job, stop_at_step=1)
     job.finish("KILLED")
-    trainer_root = local.LocalTrainer(cfg, job).root
-    (trainer_root / "ckpt-1" / "state.pt").write_bytes(b"not a checkpoint")
-    cfg, resumed = make_job("train.max_steps=2", "backend.checkpoint_every=1")
-    with pytest.raises(local.CheckpointError, match=r"ckpt-1/state.pt cannot be loaded.*rerun=true"):
+    (tmp_path / "ckpt" / tracking.run_key(cfg) / "ckpt-1" / "state.pt").write_bytes(b"not a checkpoint")
+    cfg, resumed = make_job("train.max_steps=2", "train.save_every=1")
+    with pytest.raises(driver.CheckpointError, match=r"checkpoint .*ckpt-1 cannot be loaded.*rerun=true"):
         local.train(cfg, resumed)
 
 
 def test_prompt_stream_is_a_seeded_permutation_per_epoch():
     problems = list(range(10))
-    first, again = local.PromptStream(problems, seed=3), local.PromptStream(problems, seed=3)
+    first, again = driver.PromptStream(problems, seed=3), driver.PromptStream(problems, seed=3)
     epoch = first.next(10)
     assert sorted(epoch) == problems and epoch == again.next(10)
     assert first.next(4) != epoch[:4] or first.next(6) != epoch[4:]          # a new order next epoch
-    resumed = local.PromptStream(problems, seed=3, cursor=10)
-    assert resumed.next(5) == local.PromptStream(problems, seed=3, cursor=10).next(5)
-    assert local.PromptStream(problems, seed=4).next(10) != epoch
+    resumed = driver.PromptStream(problems, seed=3, cursor=10)
+    assert resumed.next(5) == driver.PromptStream(problems, seed=3, cursor=10).next(5)
+    assert driver.PromptStream(problems, seed=4).next(10) != epoch
 
 
 def test_top_p_keeps_the_smallest_nucleus():

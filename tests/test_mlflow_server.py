@@ -24,7 +24,7 @@ STEPS = 3
 # Short tiny jobs (2 rollouts per prompt): the test is about 8 writers at once, not about learning.
 SHORT = [f"train.max_steps={STEPS}", "method.n=2", "train.batch_prompts=4", "train.minibatch_prompts=2",
          "eval.val_every=3", "eval.runs=1", "eval.samples=1", "eval.max_problems=4", "backend.progress=false",
-         "backend.checkpoint_every=3"]
+         "train.save_every=3"]
 
 
 def free_port() -> int:

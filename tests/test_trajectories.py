@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graft_exp.algorithms import grpo_advantages
-from graft_exp.exchange import Rollouts
+from graft_exp.rollouts import Rollouts
 from graft_exp.trajectories import (
     SCHEMA,
     prompt_success,

@@ -1,0 +1,572 @@
+"""The training loop, written once for every backend (paper Alg. 1, App. B/D).
+
+``co_train_step`` is one training step of every method; ``fit`` runs a job around it: resume,
+steps, validation every ``eval.val_every`` steps, checkpoints, the best checkpoint, the final
+evaluation, GPU-hours and the MLflow lifecycle. A backend (``Backend`` below, implemented by
+``backends/local.py`` and ``backends/verl/``) only does what depends on the hardware: generate,
+score, update with the method's loss (``graft_exp.objective``), save and load. Method routing lives
+here and in ``graft_exp.exchange``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from graft_exp import tracking
+from graft_exp.algorithms import (
+    dynamic_sampling_batch_full,
+    dynamic_sampling_group_mask,
+    grpo_advantages,
+    hacpo_capability,
+    hacpo_capability_ratio,
+    hacpo_positive_rate,
+)
+from graft_exp.config import PEER_OF, ROLES
+from graft_exp.evaluation import AVG, BestCheckpoint, Generate, evaluate, final_evaluation, is_validation_step
+from graft_exp.exchange import ReceiverBatch, Scorer, assemble, peer_solved_frac, plan_step, rollout_metrics, select_prompts
+from graft_exp.objective import LossSpec
+from graft_exp.reward import rewards as verify_rewards
+from graft_exp.rollouts import Rollouts
+from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
+
+log = logging.getLogger("graft_exp.driver")
+#: DAPO's cap on prompt batches drawn to fill one dynamic-sampling batch (its ``max_num_gen_batches``).
+MAX_GEN_BATCHES = 10
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read; the message names the file and the way out."""
+
+
+class StoredLogMissing(RuntimeError):
+    """graft_stored cannot find the peer's finished GRPO n=8 trajectory log."""
+
+
+# ---------------------------------------------------------------------------------------- backend
+@dataclass
+class Generation:
+    """What a backend's ``sample`` returns: n responses per prompt, prompt-major."""
+
+    responses: list[list[str]]                # [P][n] decoded strings
+    logp_sum: torch.Tensor                    # [P, n] float64 generation log-prob sums
+    num_tokens: torch.Tensor                  # [P, n] generated tokens
+    finished: torch.Tensor                    # [P, n] bool: ended with a stop token
+    token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
+    data: object                              # the backend's token-level data for its update
+
+
+@dataclass
+class Sampled:
+    """One model's rollouts of a step: as the exchange sees them, the problems, and the backend's own
+    token-level data (ids, behaviour log-probs; opaque here) that its update and log need."""
+
+    rollouts: Rollouts
+    problems: list
+    data: object
+    token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
+
+
+class Backend(Protocol):
+    """What the driver needs from a backend; one instance per job, holding the models of ``roles``."""
+
+    roles: list[str]
+    concurrent: bool        # the models sit on disjoint devices: their phases may run at the same time
+
+    def problems(self) -> list:
+        """The training problems (``.uid``, ``.prompt``, ``.answer``), in a fixed order."""
+
+    def benchmarks(self) -> dict[str, list]:
+        """Validation/test problems per benchmark key (``.prompt``, ``.answer``)."""
+
+    def devices(self, role: str) -> int:
+        """The devices (GPUs; a CPU counts as one) model ``role`` holds while it works."""
+
+    def sample(self, role: str, problems: list, n: int, seed: int) -> Generation:
+        """n responses per problem at the training temperature."""
+
+    def gather(self, role: str, parts: list[tuple[object, list[int]]]) -> object:
+        """The backend data of the chosen groups of several draws, in order (DAPO refills)."""
+
+    def scorer(self, role: str, own: Sampled) -> Scorer:
+        """Receiver-old log-probs of re-tokenized peer responses (eq. 8), cached for ``update``."""
+
+    def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
+               peer: Rollouts | None, capability_ratio: float) -> dict[str, float]:
+        """One optimizer step per minibatch, in order, with ``spec``'s loss: the mean minibatch ``loss`` and
+        the summed counts of ``graft_exp.objective`` (``tokens_self``, ``clipped_tokens_peer``, ``seqs_*``, ...)."""
+
+    def generate(self, role: str, step: int) -> Generate:
+        """``graft_exp.evaluation``'s generate function for model ``role`` at its current weights."""
+
+    def keep_best(self, role: str, step: int) -> None:
+        """Remember the current weights of ``role`` as its best checkpoint."""
+
+    def restore_best(self, role: str) -> None:
+        """Load the best checkpoint of ``role`` for the final evaluation."""
+
+    def save(self, directory: Path) -> None:
+        """Every model's weights, optimiser and best weights into ``directory``."""
+
+    def load(self, directory: Path) -> None:
+        """The state ``save`` wrote."""
+
+
+# ---------------------------------------------------------------------------------------- seeds, data
+def derive_seed(*parts) -> int:
+    """A 31-bit seed from the run seed and a purpose (step, role, ...): reproducible and independent
+    of everything that happened before, so a resumed job draws exactly what an uninterrupted one does."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def generator(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+class PromptStream:
+    """The training prompts in a seeded order: a fresh permutation each epoch, batches consecutive.
+    The order depends only on the seed, so every method with the same seed sees the same batches
+    (what ``graft_stored`` replay relies on)."""
+
+    def __init__(self, problems: Sequence, seed: int, cursor: int = 0):
+        self.problems, self.seed, self.cursor = problems, seed, cursor
+
+    def next(self, size: int) -> list:
+        out = []
+        for _ in range(size):
+            epoch, index = divmod(self.cursor, len(self.problems))
+            order = list(range(len(self.problems)))
+            random.Random(derive_seed(self.seed, "epoch", epoch)).shuffle(order)
+            out.append(self.problems[order[index]])
+            self.cursor += 1
+        return out
+
+
+# ---------------------------------------------------------------------------------------- state
+@dataclass
+class Member:
+    """One trained model of the job: its MLflow run (None if already FINISHED) and its loop state."""
+
+    role: str
+    key: str
+    run: tracking.TrackedRun | None
+    best: BestCheckpoint = field(default_factory=BestCheckpoint)
+    busy_seconds: float = 0.0            # its own generation / scoring / training time
+    device_seconds: float = 0.0          # its cost/gpu_hours x 3600
+    positive_rates: list[float] = field(default_factory=list)   # HACPO's capability tracker
+    stored_peer: object = None           # graft_stored: the peer's logged trajectories (DataFrame)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, step)
+
+
+class Timer:
+    """Busy seconds per role; ``shared`` work (reward checks, the exchange's bookkeeping) is split evenly."""
+
+    def __init__(self, roles: Sequence[str]):
+        self.seconds = {role: 0.0 for role in roles}
+
+    @contextmanager
+    def __call__(self, *roles: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            share = (time.perf_counter() - started) / len(roles)
+            for role in roles:
+                self.seconds[role] += share
+
+
+def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_train: bool,
+               concurrent: bool) -> tuple[dict[str, float], float]:
+    """Device-seconds of one training step: (each model's, the job's). Paper App. D, DESIGN.md "GPU-hours".
+
+    Independent models pay their own busy time on their own devices; the job is their sum. A co-trained
+    pair pays the step's wall time on every device it holds (both pools when they are disjoint, the one
+    shared device otherwise), split between the models in proportion to their busy time, so the shares
+    add up to the joint cost."""
+    if not co_train:
+        own = {role: busy[role] * devices[role] for role in busy}
+        return own, sum(own.values())
+    joint = wall * (sum(devices.values()) if concurrent else max(devices.values()))
+    total_busy = sum(busy.values())
+    shares = {role: joint * (busy[role] / total_busy if total_busy > 0 else 1 / len(busy)) for role in busy}
+    return shares, joint
+
+
+# ---------------------------------------------------------------------------------------- the step
+class Driver:
+    """One job (pair x method x seed) on one backend."""
+
+    def __init__(self, cfg: DictConfig, job: tracking.TrackedRun, backend_factory):
+        self.cfg, self.job, self.method = cfg, job, cfg.method
+        self.spec = LossSpec.from_method(cfg.method)
+        self.root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+        # The stored peer logs are looked up before any model run is opened: a missing one fails cleanly.
+        stored = {}
+        if self.method.source == "stored":
+            stored = {role: find_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
+                                            self.root / "stored" / cfg.pair[PEER_OF[role]]) for role in ROLES}
+        runs = {role: tracking.open_model_run(cfg, job, role) for role in ROLES}
+        # A co-trained pair needs both models even if one run was already closed (a job stopped between
+        # its two final evaluations); a single-model baseline someone else finished is skipped.
+        needed = [r for r in ROLES if runs[r] is not None or (self.method.co_train and any(runs.values()))]
+        self.members = {role: Member(role, str(cfg.pair[role]), runs[role], stored_peer=stored.get(role))
+                        for role in needed}
+        self.backend: Backend = backend_factory(cfg, needed) if needed else None
+        self.job_device_seconds = 0.0
+        self.start_step = 1
+        if self.backend is not None:
+            problems = self.backend.problems()
+            batch = int(cfg.train.batch_prompts)
+            self.total_steps = int(cfg.train.max_steps or cfg.train.total_epochs * len(problems) // batch)
+            streams = list(needed) if self.method.dynamic_sampling else ["shared"]
+            self.streams = {name: PromptStream(problems, int(cfg.seed)) for name in streams}
+            self.pool = ThreadPoolExecutor(max_workers=len(needed)) if self.backend.concurrent else None
+
+    def each(self, fn, roles: Sequence[str] | None = None) -> dict:
+        """``fn(role)`` for every model: at the same time when the backend's models sit on disjoint devices."""
+        roles = list(roles or self.members)
+        if self.pool is None:
+            return {role: fn(role) for role in roles}
+        futures = {role: self.pool.submit(fn, role) for role in roles}
+        return {role: f.result() for role, f in futures.items()}
+
+    # -------------------------------------------------------------------- rollouts
+    def rollout(self, role: str, problems: list, step: int, attempt: int = 0) -> Sampled:
+        """n samples per prompt, rewards, GRPO advantages (eq. 1)."""
+        n = int(self.method.n)
+        out = self.backend.sample(role, problems, n, derive_seed(self.cfg.seed, step, role, "rollout", attempt))
+        golds = [p.answer for p in problems for _ in range(n)]
+        rewards = torch.tensor(verify_rewards([r for group in out.responses for r in group], golds)).view(-1, n)
+        rollouts = Rollouts(model=self.members[role].key, prompt_ids=[p.uid for p in problems],
+                            responses=out.responses, rewards=rewards,
+                            advantages=grpo_advantages(rewards, float(self.method.adv_eps)),
+                            logp_sum=out.logp_sum, num_tokens=out.num_tokens, finished=out.finished)
+        return Sampled(rollouts, problems, out.data, out.token_ids)
+
+    def dynamic_sampling_rollout(self, role: str, step: int) -> Sampled:
+        """DAPO dynamic sampling: keep groups with 0 < k < n, draw more batches until the batch is full
+        (at most MAX_GEN_BATCHES draws; then train on what was kept, or on the last draw if nothing was)."""
+        size, kept = int(self.cfg.train.batch_prompts), []
+        for attempt in range(MAX_GEN_BATCHES):
+            drawn = self.rollout(role, self.streams[role].next(size), step, attempt)
+            kept += [(drawn, q) for q in torch.nonzero(dynamic_sampling_group_mask(drawn.rollouts.rewards)).flatten().tolist()]
+            if dynamic_sampling_batch_full(len(kept), size):
+                break
+        kept = kept[:size] or [(drawn, q) for q in range(size)]
+        parts: list[tuple[Sampled, list[int]]] = []
+        for sampled, q in kept:
+            if parts and parts[-1][0] is sampled:
+                parts[-1][1].append(q)
+            else:
+                parts.append((sampled, [q]))
+        return Sampled(Rollouts.concat_groups([(s.rollouts, g) for s, g in parts]),
+                       [s.problems[q] for s, g in parts for q in g],
+                       self.backend.gather(role, [(s.data, g) for s, g in parts]),
+                       [s.token_ids[q] for s, g in parts for q in g])
+
+    def capability_ratios(self, own: dict[str, Rollouts]) -> tuple[float, float]:
+        """HACPO: (capability ratio B->A, A->B) from each model's positive rates so far, this step's included."""
+        for role, member in self.members.items():
+            member.positive_rates.append(float(hacpo_positive_rate(own[role].rewards)))
+        cap = {role: hacpo_capability(m.positive_rates) for role, m in self.members.items()}
+        return hacpo_capability_ratio(cap["B"], cap["A"]), hacpo_capability_ratio(cap["A"], cap["B"])
+
+    def stored_source(self, role: str, step: int, own: Sampled) -> Rollouts:
+        """The peer's logged GRPO n=8 rollouts of this step, rewards re-verified (App. B "Saved peer logs")."""
+        peer = str(self.cfg.pair[PEER_OF[role]])
+        source = step_rollouts(self.members[role].stored_peer, step, peer)
+        if source.prompt_ids != own.rollouts.prompt_ids:
+            raise ValueError(f"step {step}: the stored log of {peer} has different prompts than this run "
+                             "(different data order or batch size); replay needs the same seed and train settings")
+        golds = [p.answer for p in own.problems for _ in range(source.n)]
+        flat = [r for group in source.responses for r in group]
+        source.rewards = torch.tensor(verify_rewards(flat, golds)).view(-1, source.n)
+        source.advantages = grpo_advantages(source.rewards, float(self.method.adv_eps))
+        return source
+
+    def co_train_step(self, step: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        """Alg. 1, one step of every method: (each model's metrics, the job's metrics)."""
+        method, roles = self.method, list(self.members)
+        timer = Timer(roles)
+        started = time.perf_counter()
+        # 1. Sample: both models on the same prompt batch (DAPO: each refills its own), rewards, advantages.
+        shared = None if method.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
+
+        def sample(role):
+            with timer(role):
+                return self.dynamic_sampling_rollout(role, step) if shared is None else self.rollout(role, shared, step)
+        own = self.each(sample)
+        rollouts = {role: own[role].rollouts for role in roles}
+        # 2. Exchange: which prompts, scored by each receiver's old policy, weighted, assembled (exchange.py).
+        gen, ratios, job_metrics = generator(self.cfg.seed, step, "exchange"), {r: 1.0 for r in roles}, {}
+        scorers = {role: self.backend.scorer(role, own[role]) for role in roles}
+        sources: dict[str, Rollouts | None] = {role: None for role in roles}
+        with timer(*roles):
+            if method.co_train and method.source == "online":
+                if method.peer_loss == "hacpo":
+                    ratios["A"], ratios["B"] = self.capability_ratios(rollouts)
+                batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method, rollouts["A"], rollouts["B"],
+                                                               (scorers["A"], scorers["B"]), gen, (ratios["A"], ratios["B"]))
+                batches, sources = {"A": batch_a, "B": batch_b}, {"A": rollouts["B"], "B": rollouts["A"]}
+                job_metrics = {"exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())}
+            elif method.source == "stored":   # one direction per receiver: no balancing
+                batches = {}
+                for role in roles:
+                    sources[role] = self.stored_source(role, step, own[role])
+                    to_receiver, _ = select_prompts(method, sources[role].k, rollouts[role].k, rollouts[role].n, gen)
+                    batches[role] = assemble(method, rollouts[role], sources[role], to_receiver, scorers[role], gen)
+            else:                             # single-model GRPO: own groups only
+                batches = {role: assemble(method, rollouts[role], rollouts[role],
+                                          torch.zeros(rollouts[role].rewards.shape[0], dtype=torch.bool), None, gen)
+                           for role in roles}
+        # 3. Update each receiver, one optimizer step per minibatch in the method's order (peer-last).
+        def update(role):
+            with timer(role):
+                order = batches[role].minibatches(method, self.minibatch_prompts(),
+                                                  generator(self.cfg.seed, step, role, "order"))
+                return self.backend.update(role, self.spec, batches[role], order, own[role], sources[role], ratios[role])
+        counts = self.each(update)
+        # 4. Record: metrics, trajectory log, device-hours.
+        metrics = {}
+        for role in roles:
+            m = {f"train/{k}": v for k, v in rollout_metrics(rollouts[role]).items()}
+            m.update(update_metrics(counts[role], self.spec))
+            if method.co_train:
+                m.update({f"train/{k}": v for k, v in batches[role].metrics.items()})
+            peer = sources[role] if sources[role] is not None else \
+                (rollouts[PEER_OF[role]] if not method.dynamic_sampling and PEER_OF[role] in rollouts else None)
+            if peer is not None:
+                m["train/peer_solved_frac"] = peer_solved_frac(rollouts[role], peer)
+            metrics[role] = m
+            write_step(self.root / "trajectories" / role, step, rollouts[role], own[role].token_ids)
+        wall = time.perf_counter() - started
+        shares, joint = step_costs(timer.seconds, wall, {r: self.backend.devices(r) for r in roles},
+                                   bool(method.co_train), self.backend.concurrent)
+        self.job_device_seconds += joint
+        for role, member in self.members.items():
+            member.busy_seconds += timer.seconds[role]
+            member.device_seconds += shares[role]
+            metrics[role]["cost/gpu_hours"] = member.device_seconds / 3600.0
+        job_metrics["cost/gpu_hours"] = self.job_device_seconds / 3600.0
+        return metrics, job_metrics
+
+    def minibatch_prompts(self) -> int:
+        """Prompt groups per optimizer step: HACPO's own setting (64 on the paper's 128), else train's."""
+        if self.spec.kind == "hacpo":
+            return int(self.method.hacpo.minibatch_prompts)
+        return int(self.cfg.train.minibatch_prompts)
+
+    # -------------------------------------------------------------------- validation, checkpoints
+    def validate(self, step: int) -> None:
+        """Every model on the benchmark average; step 0 is recorded for the curves but is no candidate for
+        the best checkpoint (only trained weights are)."""
+        ev = self.cfg.eval
+        benchmarks = self.backend.benchmarks()
+
+        def run(role):
+            return evaluate(self.backend.generate(role, step), benchmarks, int(ev.val_samples), float(ev.temperature),
+                            float(ev.top_p), derive_seed(self.cfg.seed, step, "val"))
+        for role, scores in self.each(run).items():
+            member = self.members[role]
+            member.log({f"val/{k}": v for k, v in scores.items()}, step)
+            if step > 0 and member.best.update(step, scores[AVG]):
+                self.backend.keep_best(role, step)
+
+    def checkpoints(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+    def save_checkpoint(self, step: int) -> None:
+        """The backend's state plus the loop's (step, data cursors, best, costs), written to a temporary
+        directory and renamed, so a job killed mid-write leaves the previous checkpoint intact."""
+        state = {"step": step, "job_device_seconds": self.job_device_seconds,
+                 "cursors": {name: s.cursor for name, s in self.streams.items()},
+                 "members": {role: {"best": asdict(m.best), "busy_seconds": m.busy_seconds,
+                                    "device_seconds": m.device_seconds, "positive_rates": m.positive_rates}
+                             for role, m in self.members.items()}}
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"ckpt-{step}-", suffix=".tmp", dir=self.root))
+        self.backend.save(tmp)
+        (tmp / "driver.json").write_text(json.dumps(state))
+        final = self.root / f"ckpt-{step}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in self.checkpoints():
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self) -> None:
+        """Continue from the newest checkpoint of this run key, if any."""
+        found = self.checkpoints()
+        if not found:
+            return
+        try:
+            state = json.loads((found[-1] / "driver.json").read_text())
+            self.backend.load(found[-1])
+        except Exception as err:  # torch and json raise many kinds for a truncated or foreign file
+            raise CheckpointError(
+                f"checkpoint {found[-1]} cannot be loaded ({type(err).__name__}: {err}). Delete it to resume "
+                "from scratch, or launch again with rerun=true for a fresh run") from err
+        for role, saved in state["members"].items():
+            member = self.members[role]
+            member.best = BestCheckpoint(**saved["best"])
+            member.busy_seconds, member.device_seconds = saved["busy_seconds"], saved["device_seconds"]
+            member.positive_rates = list(saved["positive_rates"])
+        for name, cursor in state["cursors"].items():
+            self.streams[name].cursor = cursor
+        self.job_device_seconds = state["job_device_seconds"]
+        self.start_step = state["step"] + 1
+        log.info("resumed from %s (step %d)", found[-1], state["step"])
+
+    # -------------------------------------------------------------------- the job
+    def finish_member(self, member: Member) -> dict[str, float]:
+        """Final evaluation of the best checkpoint (R runs x k samples), artifacts, FINISHED."""
+        ev = self.cfg.eval
+        self.backend.restore_best(member.role)
+        results = final_evaluation(self.backend.generate(member.role, member.best.step), self.backend.benchmarks(),
+                                   int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
+                                   derive_seed(self.cfg.seed, "test"))
+        for r, scores in enumerate(results):
+            member.log({f"test/{k}": v for k, v in scores.items()}, r)
+        if member.run is not None:
+            member.run.set_tags({"graft.best_step": member.best.step})
+            traj = self.root / "trajectories" / member.role
+            staged = self.root / f"artifacts_{member.role}"
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir()
+            member.run.log_artifact(write_prompt_success(read_log(traj), staged / "prompt_success.parquet"))
+            member.run.client.log_artifacts(member.run.run_id, str(traj), "trajectories")
+            member.run.finish("FINISHED")
+        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+
+    def fit(self, stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
+        """Train to the last step (validating, checkpointing), evaluate the best checkpoints, close the runs.
+
+        ``stop_at_step`` leaves the job unfinished right after checkpointing that step, as a preempted job
+        would (resumption tests). Returns each model's mean final test scores."""
+        if not self.members:
+            log.info("every model run of this job is FINISHED already; nothing to train")
+            return {}
+        if self.job.resumed:
+            self.load_checkpoint()
+        else:   # a fresh run never inherits another run's state
+            for stale in [*self.checkpoints(), self.root / "trajectories"]:
+                shutil.rmtree(stale, ignore_errors=True)
+        self.log_config()
+        every, save_every = int(self.cfg.eval.val_every), int(self.cfg.train.save_every)
+        if self.start_step == 1:
+            self.validate(0)
+        with progress_bar(bool(self.cfg.backend.progress), self.total_steps, self.start_step - 1,
+                          list(self.members)) as bar:
+            for step in range(self.start_step, self.total_steps + 1):
+                metrics, job_metrics = self.co_train_step(step)
+                self.job.log_metrics(job_metrics, step)
+                for role, member in self.members.items():
+                    member.log(metrics[role], step)
+                if is_validation_step(step, every, self.total_steps):
+                    self.validate(step)
+                bar.advance({role: m["train/reward_mean"] for role, m in metrics.items()})
+                if step % save_every == 0 or step == self.total_steps or step == stop_at_step:
+                    self.save_checkpoint(step)
+                if step == stop_at_step:
+                    return {}
+        return {role: self.finish_member(m) for role, m in self.members.items()}
+
+    def log_config(self) -> None:
+        path = self.root / "config.yaml"
+        self.root.mkdir(parents=True, exist_ok=True)
+        path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        self.job.log_artifact(path)
+        for member in self.members.values():
+            if member.run is not None:
+                member.run.log_params(tracking.flatten(OmegaConf.to_container(self.cfg, resolve=True)))
+
+
+def update_metrics(counts: dict[str, float], spec: LossSpec) -> dict[str, float]:
+    """``train/loss`` (mean over the step's minibatches), ``train/clipfrac_self`` and ``train/clipfrac_peer``
+    from the step's summed counts (tokens; sequences for HACPO), as a backend's ``update`` returns them.
+    The peer fraction is NaN (not logged) at a step without peer tokens."""
+    kind = "seqs" if spec.sequence_level else "tokens"
+    own, peer = counts.get(f"{kind}_self", 0.0), counts.get(f"{kind}_peer", 0.0)
+    return {"train/loss": counts["loss"],
+            "train/clipfrac_self": counts.get(f"clipped_{kind}_self", 0.0) / max(own, 1.0),
+            "train/clipfrac_peer": counts.get(f"clipped_{kind}_peer", 0.0) / peer if peer > 0 else float("nan")}
+
+
+def find_stored_log(cfg: DictConfig, client, peer: str, download_to: Path):
+    """The trajectory log of the peer's FINISHED GRPO n=8 run with this seed (graft_stored's source).
+    Any backend's run of that model qualifies: the model key names the weights, and the replay checks
+    that the prompts of every step match."""
+    experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    query = (f"tags.`graft.method` = 'grpo_n8' and tags.`graft.model` = '{peer}' and "
+             f"tags.`graft.seed` = '{cfg.seed}' and attributes.status = 'FINISHED'")
+    runs = client.search_runs(experiments, query, max_results=1, order_by=["attributes.start_time DESC"]) \
+        if experiments else []
+    if not runs:
+        raise StoredLogMissing(
+            f"graft_stored replays the trajectory log of {peer}'s finished GRPO n=8 run with seed {cfg.seed}, "
+            f"and there is none in {cfg.tracking.uri}: launch `python -m graft_exp pair={cfg.pair.name} "
+            f"method=grpo_n8 seed={cfg.seed}` first")
+    shutil.rmtree(download_to, ignore_errors=True)
+    download_to.mkdir(parents=True)
+    return read_log(Path(client.download_artifacts(runs[0].info.run_id, "trajectories", str(download_to))))
+
+
+class progress_bar:
+    """Rich console progress: step, each model's reward, ETA (disabled with backend.progress=false)."""
+
+    def __init__(self, enabled: bool, total: int, done: int, roles: list[str]):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        fields = " ".join(f"{r} {{task.fields[{r}]:.2f}}" for r in roles)
+        self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("reward " + fields),
+                            TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled)
+        self.task = self.bar.add_task("train", total=total, completed=done, **{r: float("nan") for r in roles})
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def advance(self, rewards: dict[str, float]) -> None:
+        self.bar.update(self.task, advance=1, **rewards)
+
+
+def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory, *,
+        stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
+    """Train, evaluate and record one job; a failure or Ctrl-C closes its model runs FAILED / KILLED.
+    A preemption (SystemExit from submitit's signal handler) is not caught: those runs stay RUNNING, and
+    the requeued job resumes them."""
+    driver = Driver(cfg, job, backend_factory)
+    try:
+        return driver.fit(stop_at_step=stop_at_step)
+    except (Exception, KeyboardInterrupt) as err:
+        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+        for member in driver.members.values():
+            if member.run is not None and member.run.status == "RUNNING":
+                member.run.finish(status)
+        raise
