@@ -1,5 +1,9 @@
 """The paper's figures from MLflow: validation curves (Fig. 5), rescue fraction (Fig. 1 right), pair score vs
-GPU-hours (Fig. 3a), stored vs online (Fig. 3b) and per-model conservative accounting (Fig. 6). PNG and PDF."""
+GPU-hours (Fig. 3a), stored vs online (Fig. 3b) and per-model conservative accounting (Fig. 6). PNG and PDF.
+
+The three cost figures are drawn from a frame of exactly the plotted values (``*_points``/``*_bars``), written
+next to them as ``<name>.csv``; every GPU-hour value in them comes from :func:`analysis.tables.compute_costs`.
+"""
 
 from __future__ import annotations
 
@@ -25,12 +29,16 @@ COLORS = {"grpo_n8": "#9aa5b1", "grpo_n16": "#6b7785", "grpo_n32": "#3d4853", "g
           "hacpo": "#e6a141", "sgt": "#4a90c2", "graft": "#c0392b", "graft_stored": "#e07b6a"}
 
 
-def _save(fig, out: Path, name: str) -> list[Path]:
+def _save(fig, out: Path, name: str, data: pd.DataFrame | None = None) -> list[Path]:
+    """``<name>.png`` and ``.pdf``, and ``<name>.csv`` with the plotted values when ``data`` is given."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
     for path in paths:
         fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
+    if data is not None:
+        paths.append(out / f"{name}.csv")
+        data.to_csv(paths[-1], index=False)
     return paths
 
 
@@ -114,8 +122,9 @@ def rescue_fraction(a: Analysis, out: Path) -> list[Path]:
     return _save(fig, out, "rescue-fraction")
 
 
-def _pair_points(a: Analysis, compute_table: tables.Table) -> pd.DataFrame:
-    """Per method of the study pair: pair-mean Avg over evaluation runs, its 95% CI and the joint GPU-hours."""
+def pair_budget_points(a: Analysis, compute_table: tables.Table) -> pd.DataFrame:
+    """Fig. 3a's points: per method of the study pair, the pair-mean Avg over evaluation runs, its 95% CI and
+    the GPU-hours of obtaining both selected checkpoints (the compute table's "both models, best ckpt")."""
     records = []
     by_method: dict[str, list[tables.Row]] = {}
     for row in compute_table.rows:
@@ -131,44 +140,70 @@ def _pair_points(a: Analysis, compute_table: tables.Table) -> pd.DataFrame:
     return pd.DataFrame(records, columns=["method", "score", "ci", "gpuh"])
 
 
-def pair_budget(a: Analysis, compute_table: tables.Table, out: Path) -> list[Path]:
-    """Fig. 3a: pair-mean score vs total GPU-hours to both selected checkpoints; dashed GRPO budget line."""
-    points = _pair_points(a, compute_table).dropna(subset=["score", "gpuh"])
+def draw_pair_budget(points: pd.DataFrame):
+    """Fig. 3a from :func:`pair_budget_points`: one point per method, GRPO's budgets joined by a dashed line."""
+    points = points.dropna(subset=["score", "gpuh"])
     fig, ax = plt.subplots(figsize=(5, 3.6))
     if points.empty:
         _note_empty(ax)
     for _, p in points.iterrows():
         ax.errorbar(p["gpuh"], p["score"], yerr=p["ci"], fmt="o", color=COLORS.get(p["method"], "black"),
                     capsize=3, label=catalog.method_display(p["method"]).replace("Dynamic Sampling", "DS"))
-    grpo = points[points["method"].isin(["grpo_n8", "grpo_n16", "grpo_n32"])].sort_values("gpuh")
+    # The dashed line traces GRPO with increasing rollout budget (n = 8, 16, 32), whatever each one cost.
+    budgets = ["grpo_n8", "grpo_n16", "grpo_n32"]
+    grpo = points.set_index("method").reindex([m for m in budgets if m in set(points["method"])])
     ax.plot(grpo["gpuh"], grpo["score"], ls="--", color="gray", lw=1)
     ax.set_xlabel("total GPU-hours (both models, to selected checkpoints)")
     ax.set_ylabel("pair average score (%)")
     ax.grid(alpha=0.3)
     if len(points):
-        ax.legend(fontsize=7, frameon=False)
-    return _save(fig, out, "pair-budget")
+        ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no overlap
+    return fig
 
 
-def stored_vs_online(a: Analysis, out: Path) -> list[Path]:
-    """Fig. 3b: per model block, GPU-hours to the reported checkpoint (top) and gain over GRPO n=8 (bottom)."""
+def pair_budget(a: Analysis, compute_table: tables.Table, out: Path) -> list[Path]:
+    """Fig. 3a: pair-mean score vs total GPU-hours to both selected checkpoints; dashed GRPO budget line."""
+    points = pair_budget_points(a, compute_table)
+    return _save(draw_pair_budget(points), out, "pair-budget", points)
+
+
+def stored_vs_online_bars(a: Analysis) -> pd.DataFrame:
+    """Fig. 3b's bars: per model block, online and stored GRAFT's GPU-hours to the reported checkpoint and their
+    gain over GRPO (n=8).
+
+    Online GRAFT cannot produce one model without training the other, so its bar is the joint run's cost up to
+    this model's selected checkpoint; a stored-trajectory receiver pays only its own run up to its checkpoint,
+    not the GRPO runs that wrote the logs (App. D). ``cut`` is the fraction of the online cost saved.
+    """
     replay = tables.replay_results(a)
     records = []
     for row in replay.rows:
         if row.method in ("graft", "graft_stored"):
             run_id = a.find("replay-results", row.method, row.updated_model, row.peer)
-            gpuh = rules.value_at_step(a.model_cost(run_id), a.best_step(run_id)) if run_id else math.nan
+            gpuh = tables.compute_costs(a, row.method, row.updated_model, row.peer, run_id, None)[
+                "conservative_gpuh"] if run_id else math.nan
             records.append({"block": f"{catalog.MODEL_SHORT.get(row.updated_model, row.updated_model)}"
                                      f"←{catalog.MODEL_SHORT.get(row.peer, row.peer)}",
-                            "method": row.method, "gpuh": gpuh, "gain": row.stats.get("delta", math.nan)})
-    frame = pd.DataFrame(records, columns=["block", "method", "gpuh", "gain"])
+                            "updated_model": row.updated_model, "peer": row.peer, "method": row.method,
+                            "gpuh": gpuh, "gain": row.stats.get("delta", math.nan)})
+    frame = pd.DataFrame(records, columns=["block", "updated_model", "peer", "method", "gpuh", "gain"])
+    online = frame[frame["method"] == "graft"].set_index("block")["gpuh"]
+    frame["cut"] = [rules.cost_cut(online.get(b, math.nan), g) if m == "graft_stored" else math.nan
+                    for b, m, g in zip(frame["block"], frame["method"], frame["gpuh"])]
+    return frame
+
+
+def draw_stored_vs_online(bars: pd.DataFrame):
+    """Fig. 3b from :func:`stored_vs_online_bars`: cost (top, stored bars labelled with the cut) and gain."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
-    blocks = list(dict.fromkeys(frame["block"]))
+    blocks = list(dict.fromkeys(bars["block"]))
     for offset, method, label in ((-0.2, "graft", "online"), (0.2, "graft_stored", "stored")):
-        part = frame[frame["method"] == method].set_index("block").reindex(blocks)
+        part = bars[bars["method"] == method].set_index("block").reindex(blocks)
         x = [i + offset for i in range(len(blocks))]
-        top.bar(x, part["gpuh"], width=0.4, color=COLORS[method], label=label)
+        cost = top.bar(x, part["gpuh"], width=0.4, color=COLORS[method], label=label)
         bottom.bar(x, part["gain"], width=0.4, color=COLORS[method], label=label)
+        if method == "graft_stored":
+            top.bar_label(cost, labels=["" if pd.isna(c) else f"−{100 * c:.0f}%" for c in part["cut"]], fontsize=7)
     top.set_ylabel("GPU-hours to checkpoint")
     bottom.set_ylabel("gain over GRPO (n=8)")
     bottom.axhline(0, color="black", lw=0.8)
@@ -178,31 +213,56 @@ def stored_vs_online(a: Analysis, out: Path) -> list[Path]:
         ax.grid(alpha=0.3, axis="y")
     if not blocks:
         _note_empty(top)
-    return _save(fig, out, "stored-vs-online")
+    return fig
 
 
-def compute_conservative(a: Analysis, compute_table: tables.Table, out: Path) -> list[Path]:
-    """Fig. 6 (App. D): per-model score vs GPU-hours charged under the conservative accounting, ±1 s.d."""
-    models = list(dict.fromkeys(r.updated_model for r in compute_table.rows))
+def stored_vs_online(a: Analysis, out: Path) -> list[Path]:
+    """Fig. 3b: per model block, GPU-hours to the reported checkpoint (top) and gain over GRPO n=8 (bottom)."""
+    bars = stored_vs_online_bars(a)
+    return _save(draw_stored_vs_online(bars), out, "stored-vs-online", bars)
+
+
+def conservative_points(compute_table: tables.Table) -> pd.DataFrame:
+    """Fig. 6's points: per model and method, Avg ± std over evaluation runs against the GPU-hours charged to
+    that model under the conservative accounting (the compute table's ``conservative_gpuh``)."""
+    records = [{"updated_model": r.updated_model, "method": r.method, "gpuh": r.extra.get("conservative_gpuh"),
+                "score": r.stats.get(f"{rules.AVG}_mean"), "std": r.stats.get(f"{rules.AVG}_std")}
+               for r in compute_table.rows]
+    return pd.DataFrame(records, columns=["updated_model", "method", "gpuh", "score", "std"]).astype(
+        {"gpuh": float, "score": float, "std": float})
+
+
+def draw_compute_conservative(points: pd.DataFrame):
+    """Fig. 6 from :func:`conservative_points`: one panel per model."""
+    models = list(dict.fromkeys(points["updated_model"]))
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5 * max(len(models), 1), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models):
-        drawn = 0
-        for row in (r for r in compute_table.rows if r.updated_model == model):
-            x, y = row.extra.get("conservative_gpuh", math.nan), row.stats.get(f"{rules.AVG}_mean", math.nan)
-            if pd.isna(x) or pd.isna(y):
-                continue
-            ax.errorbar(x, y, yerr=row.stats.get(f"{rules.AVG}_std"), fmt="o", capsize=3,
-                        color=COLORS.get(row.method, "black"), label=catalog.method_display(row.method))
-            drawn += 1
-        if not drawn:
+        drawn = points[(points["updated_model"] == model)].dropna(subset=["gpuh", "score"])
+        for _, p in drawn.iterrows():
+            ax.errorbar(p["gpuh"], p["score"], yerr=p["std"], fmt="o", capsize=3,
+                        color=COLORS.get(p["method"], "black"), label=catalog.method_display(p["method"]))
+        if drawn.empty:
             _note_empty(ax)
-        else:
-            ax.legend(fontsize=7, frameon=False)
         ax.set_title(catalog.model_display(model), fontsize=9)
         ax.set_xlabel("GPU-hours charged to this model")
         ax.set_ylabel("average score (%)")
         ax.grid(alpha=0.3)
-    return _save(fig, out, "compute-conservative")
+    # One legend for both panels, right of them, so that it hides no point.
+    legend = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    if legend:
+        fig.legend(legend.values(), legend.keys(), fontsize=7, frameon=False, loc="center left",
+                   bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def compute_conservative(a: Analysis, compute_table: tables.Table, out: Path) -> list[Path]:
+    """Fig. 6 (App. D): per-model score vs GPU-hours charged under the conservative accounting, ±1 s.d."""
+    points = conservative_points(compute_table)
+    return _save(draw_compute_conservative(points), out, "compute-conservative", points)
 
 
 def build_all(a: Analysis, out: Path) -> list[Path]:

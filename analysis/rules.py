@@ -113,8 +113,13 @@ def final_value(series: pd.Series) -> float:
 
 
 def best_validation_step(val_avg: pd.Series) -> float:
-    """App. B: the highest-scoring validation checkpoint (the first one on ties)."""
-    return float(val_avg.idxmax()) if len(val_avg.dropna()) else math.nan
+    """App. B: the highest-scoring validation checkpoint (the first one on ties) among trained ones.
+
+    Step 0 (the initial model) is validated for the curves but is not a candidate: a selected checkpoint
+    must have been trained, and it must have a training cost.
+    """
+    trained = val_avg[val_avg.index > 0].dropna()
+    return float(trained.idxmax()) if len(trained) else math.nan
 
 
 def joint_checkpoint_cost(job_cost: pd.Series, best_steps: list[float]) -> float:
@@ -122,6 +127,27 @@ def joint_checkpoint_cost(job_cost: pd.Series, best_steps: list[float]) -> float
     if not best_steps or any(pd.isna(s) for s in best_steps):
         return math.nan
     return value_at_step(job_cost, max(best_steps))
+
+
+def shares_mismatch(job_cost: pd.Series, shares: list[pd.Series]) -> float:
+    """The largest relative gap between a joint run's cost and the sum of its models' shares (App. D).
+
+    Every model run logs its cumulative share and the job run the joint cost; the shares add up to the
+    joint cost at every step. Compared at the steps all of them logged; NaN when there is none.
+    """
+    steps = job_cost.index
+    for share in shares:
+        steps = steps.intersection(share.index)
+    if not len(steps):
+        return math.nan
+    total = sum(share.loc[steps].to_numpy() for share in shares)
+    joint = job_cost.loc[steps].to_numpy()
+    return float(np.max(np.abs(total - joint) / np.maximum(np.abs(joint), 1e-12)))
+
+
+def cost_cut(online: float, stored: float) -> float:
+    """Fig. 3b: the fraction of the online checkpoint's cost that stored trajectories save."""
+    return 1.0 - stored / online if online and not (pd.isna(online) or pd.isna(stored)) else math.nan
 
 
 def clip_fractions(self_frac: pd.Series, peer_frac: pd.Series, peer_admitted: pd.Series,

@@ -1,8 +1,10 @@
 """Write MLflow stores that follow DESIGN.md's schema exactly, for the analysis tests and the scale benchmark.
 
 A :class:`JobSpec` is one Hydra job (the parent run) and its :class:`ModelSpec` children; :func:`write_jobs`
-logs them with ``MlflowClient.log_batch``. :func:`paper_like_jobs` generates a store that fills every table
-and figure of the paper with plausible, seeded random values.
+logs them with ``MlflowClient.log_batch``. :func:`with_costs` derives the ``cost/gpu_hours`` histories of a job
+and its model runs from chosen per-step seconds and GPU counts, the way the backends log them.
+:func:`paper_like_jobs` generates a store that fills every table and figure of the paper with plausible,
+seeded random values.
 """
 
 from __future__ import annotations
@@ -105,6 +107,41 @@ def write_jobs(tracking_uri: str, jobs: list[JobSpec], artifact_root: Path) -> l
     return model_run_ids
 
 
+# --- costs from step timings ---------------------------------------------------------------------------------
+
+COST_KEY = "cost/gpu_hours"
+
+
+def gpu_hours(step_seconds, gpus: int) -> dict[int, float]:
+    """Cumulative ``cost/gpu_hours`` at steps 1, 2, ... as the backends log it (App. D): GPUs x the summed wall
+    seconds of the training steps so far, in hours."""
+    seconds = np.asarray(step_seconds, dtype=float)
+    if int(gpus) < 1 or seconds.ndim != 1 or not len(seconds) or (seconds < 0).any() or not np.isfinite(seconds).all():
+        raise ValueError(f"need at least one finite, non-negative step time and >= 1 GPU; got {gpus} GPUs and "
+                         f"{step_seconds!r}")
+    return dict(zip(range(1, len(seconds) + 1), (np.cumsum(seconds) * int(gpus) / 3600).tolist()))
+
+
+def with_costs(job: JobSpec, seconds: dict[str, list[float]], gpus: dict[str, int]) -> JobSpec:
+    """Give ``job`` the cost histories the backends log, from each model's (by role) per-step seconds and GPUs.
+
+    A model run's ``cost/gpu_hours`` is its own cumulative cost: an independent model's own steps on its own
+    GPUs; a co-trained model's own generation, scoring and training time on the GPUs it used (its share of the
+    joint run). The job run's is the joint run's cost, the sum of its models' at every step (a model that
+    finished earlier counts with its final cost).
+    """
+    roles = {spec.role for spec in job.models}
+    if set(seconds) != roles or set(gpus) != roles:
+        raise ValueError(f"step times and GPU counts must name exactly the job's roles {sorted(roles)}; got "
+                         f"{sorted(seconds)} and {sorted(gpus)}")
+    shares = {}
+    for spec in job.models:
+        spec.metrics[COST_KEY] = shares[spec.role] = gpu_hours(seconds[spec.role], gpus[spec.role])
+    joint = pd.DataFrame({role: pd.Series(cost) for role, cost in shares.items()}).sort_index().ffill()
+    job.metrics[COST_KEY] = joint.sum(axis=1).to_dict()
+    return job
+
+
 # --- a paper-like store -------------------------------------------------------------------------------------
 
 #: Which (method, seeds, pairs) each study runs; "study" pairs are pair1 only, as in the paper.
@@ -122,14 +159,12 @@ _TRAIN_KEYS = ("reward_mean", "all_fail_frac", "peer_solved_frac", "peer_groups"
 
 
 def _model_spec(rng: np.random.Generator, model: str, role: str, peer: str, n: int, quality: float,
-                offsets: dict[str, float], steps: int, benches: tuple[str, ...], eval_runs: int, val_every: int, gpuh_per_step: float,
+                offsets: dict[str, float], steps: int, benches: tuple[str, ...], eval_runs: int, val_every: int,
                 with_prompts: bool) -> ModelSpec:
     """Histories of one model run: validation every ``val_every`` steps, best checkpoint = argmax val/avg."""
     train_steps = np.arange(1, steps + 1)
     metrics = {f"train/{k}": dict(zip(train_steps.tolist(), rng.uniform(0, 0.01 if "clip" in k else 1, steps)))
                for k in _TRAIN_KEYS}
-    metrics["cost/gpu_hours"] = dict(zip(train_steps.tolist(), np.cumsum(rng.uniform(0.5, 1.5, steps))
-                                         * gpuh_per_step))
     val_steps = list(range(val_every, steps + 1, val_every))
     curve = quality * (1 - 0.3 * np.exp(-np.array(val_steps) / (steps / 3)))
     for bench in benches:
@@ -173,6 +208,16 @@ def paper_like_jobs(steps: int = 174, seeds: int = 1, pairs: tuple[str, ...] = c
     return jobs
 
 
+#: Seconds per training step of one model at n = 8 on the pair's four GPUs (a single model's GRPO step, or its
+#: phases of a co-training step, which add the scoring of the peer's responses).
+_STEP_SECONDS = {"grpo": 90.0, "co_train": 108.0}
+_GPUS = 4
+
+
+def _step_seconds(rng: np.random.Generator, kind: str, n: int, steps: int) -> list[float]:
+    return (_STEP_SECONDS[kind] * n / 8 * rng.uniform(0.5, 1.5, steps)).tolist()
+
+
 def _jobs_for(rng, method, pair, seed, study, delta, model_a, model_b, quality, offsets, steps, benches,
               eval_runs, val_every, grpo_done) -> list[JobSpec]:
     n = int(method.rsplit("_n", 1)[1]) if method.startswith("grpo_n") else 8
@@ -181,26 +226,25 @@ def _jobs_for(rng, method, pair, seed, study, delta, model_a, model_b, quality, 
     common = {"steps": steps, "benches": benches, "eval_runs": eval_runs, "val_every": val_every}
     gain = 0.0 if method.startswith("grpo") else rng.uniform(-0.02, 0.05)
     if method in catalog.SINGLE_MODEL_METHODS:
-        jobs = []
+        # One job trains the pair's models that have no baseline of this (method, seed) yet, as the launcher does.
+        specs = []
         for role, model in (("A", model_a), ("B", model_b)):
             if (method, model, seed) in grpo_done:
                 continue  # one GRPO baseline per (model, n, seed), shared by every pair
             grpo_done.add((method, model, seed))
-            spec = _model_spec(rng, model, role, "none", n, quality[model] + 0.01 * (n // 8), offsets[model],
-                               gpuh_per_step=0.1 * n / 8,
-                               with_prompts=(method == "grpo_n8" and seed == 0), **common)
-            jobs.append(JobSpec(method, pair, seed, [spec], study, params, {"cost/gpu_hours": spec.metrics[
-                "cost/gpu_hours"]}))
-        return jobs
-    receivers = ((("A", model_a, model_b),), (("B", model_b, model_a),)) if method == "graft_stored" else (
-        (("A", model_a, model_b), ("B", model_b, model_a)),)
-    jobs = []
-    for group in receivers:
-        specs = [_model_spec(rng, model, role, peer, 8, quality[model] + gain, offsets[model], gpuh_per_step=0.12,
-                             with_prompts=False, **common) for role, model, peer in group]
-        job_cost = np.sum([list(s.metrics["cost/gpu_hours"].values()) for s in specs], axis=0) * 1.02
-        jobs.append(JobSpec(method, pair, seed, specs, study, params,
-                            {"cost/gpu_hours": dict(zip(range(1, steps + 1), job_cost)),
-                             "exchange/A_to_B": dict(zip(range(1, steps + 1), rng.integers(0, 10, steps))),
-                             "exchange/B_to_A": dict(zip(range(1, steps + 1), rng.integers(0, 10, steps)))}))
-    return jobs
+            specs.append(_model_spec(rng, model, role, "none", n, quality[model] + 0.01 * (n // 8), offsets[model],
+                                     with_prompts=(method == "grpo_n8" and seed == 0), **common))
+        if not specs:
+            return []
+        job = JobSpec(method, pair, seed, specs, study, params)
+        return [with_costs(job, {s.role: _step_seconds(rng, "grpo", n, steps) for s in specs},
+                           {s.role: _GPUS for s in specs})]
+    # Co-trained methods, and graft_stored, whose job trains both receivers, each against the other's stored log.
+    specs = [_model_spec(rng, model, role, peer, 8, quality[model] + gain, offsets[model], with_prompts=False,
+                         **common) for role, model, peer in (("A", model_a, model_b), ("B", model_b, model_a))]
+    exchange = {} if method == "graft_stored" else {
+        "exchange/A_to_B": dict(zip(range(1, steps + 1), rng.integers(0, 10, steps))),
+        "exchange/B_to_A": dict(zip(range(1, steps + 1), rng.integers(0, 10, steps)))}
+    job = JobSpec(method, pair, seed, specs, study, params, exchange)
+    return [with_costs(job, {s.role: _step_seconds(rng, "co_train", 8, steps) for s in specs},
+                       {s.role: _GPUS for s in specs})]

@@ -6,6 +6,7 @@ Builders follow the paper's layout and rules (captions of Tables 1, 2, 3-8 and A
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from analysis import catalog, rules
 from analysis.results import Analysis, Missing
 
 AVG = rules.AVG
+log = logging.getLogger("analysis")
 
 
 @dataclass
@@ -295,18 +297,24 @@ def replay_results(a: Analysis) -> Table:
 
 
 COMPUTE_METHODS = catalog.COMPUTE_METHODS
-#: Methods whose two models train in separate runs: the pair's cost is the sum of the two runs' costs.
+#: Methods whose models train independently: a model's cost is its own run's, the pair's the sum of the two.
+#: A stored-trajectory receiver learns from a log, not from the other receiver, so it is costed like GRPO even
+#: when one job trains both receivers; the GRPO runs that wrote the logs are not charged (App. D).
 SEPARATE_RUN_METHODS = (*catalog.SINGLE_MODEL_METHODS, "graft_stored")
+#: Largest relative gap tolerated between a joint run's cost and the sum of its models' shares.
+SHARE_TOLERANCE = 0.01
 
 
 def compute_costs(a: Analysis, method: str, model: str, peer: str, run_id: str, sibling: str | None) -> dict:
-    """GPU-hours of one model under App. D's accounting.
+    """GPU-hours of one model under App. D's accounting (``cost/gpu_hours``: GPUs x training-step seconds).
 
-    ``gpuh_best``/``gpuh_full``: the model's own cost to its selected checkpoint / for the full run.
-    ``joint_gpuh_best``/``joint_gpuh_full``: both models; for co-training, the joint run through the later
-    of the two selected checkpoints / to its end; for separate runs, the sum of the two runs' costs
-    (stored-trajectory runs exclude the source runs). ``conservative_gpuh``: Fig. 6's charge, the model's own
-    cost for separate runs and the joint run's cost up to this model's checkpoint for co-training.
+    ``gpuh_best``/``gpuh_full``: the model's own cost (its model run's ``cost/gpu_hours``) to its selected
+    checkpoint / for the full run: an independent model's own steps on its own GPUs; a co-trained model's
+    share of the joint run. ``joint_gpuh_best``/``joint_gpuh_full`` ("both models"): for co-training, the joint
+    run (its job run's ``cost/gpu_hours``) through the later of the two selected checkpoints / to its end; for
+    independent runs, the sum of the two models' own costs (``sibling`` is the other model's run).
+    ``conservative_gpuh`` (Fig. 6, and Fig. 3b's bars): an independent model's own cost to its checkpoint; a
+    co-trained model is charged the whole joint run up to its own checkpoint.
     """
     own = a.model_cost(run_id)
     best = a.best_step(run_id)
@@ -328,12 +336,30 @@ def compute_costs(a: Analysis, method: str, model: str, peer: str, run_id: str, 
     return costs
 
 
+def _check_shares(a: Analysis, run_id: str, checked: set) -> None:
+    """Warn when the models' shares of a multi-model job do not add up to the job's logged cost."""
+    parent = a.parent(run_id)
+    siblings = a.siblings(run_id)
+    if parent is None or parent in checked or len(siblings) < 2:
+        return
+    checked.add(parent)
+    job = a.job_cost(run_id)
+    shares = [a.store.series(r, "cost/gpu_hours") for r in siblings]
+    if job.empty or any(share.empty for share in shares):
+        return
+    gap = rules.shares_mismatch(job, shares)
+    if gap > SHARE_TOLERANCE:
+        log.warning("job run %s: its models' cost/gpu_hours shares differ from the job's cost/gpu_hours by up to "
+                    "%.1f%%; per-model GPU-hours follow the shares, joint ones the job", parent, 100 * gap)
+
+
 def compute(a: Analysis) -> Table:
     """Table 3 (App. D): Avg and GPU-hours to the selected checkpoint and for the full run, per model and pair."""
     label = "compute"
     pairs = a.study_pairs(["grpo_ds"])
     benches = _run_benches(a, pairs)
     table = Table(label, "Score and training cost.", benches, kind="compute")
+    checked: set = set()
     for pair in pairs:
         model_a, model_b = a.pairs[pair]
         table.items.append(_pair_band(a, pair))
@@ -348,6 +374,8 @@ def compute(a: Analysis) -> Table:
                 other = found[model_b if model == model_a else model_a][1]
                 if run_id:
                     row.extra = compute_costs(a, method, model, peer, run_id, other)
+                    if not separate:
+                        _check_shares(a, run_id, checked)
                 row.extra = {"pair": pair} | {k: row.extra.get(k, math.nan) for k in
                              ("best_step", "gpuh_best", "gpuh_full", "joint_gpuh_best", "joint_gpuh_full",
                               "conservative_gpuh")}

@@ -62,3 +62,18 @@ def test_sweep_mapping_lives_in_one_place():
     assert catalog.sweep_for("ablation-full", catalog.delta_method(0.7), 0) == "sweeps/delta.yaml"
     assert catalog.sweep_for("clipfrac-position", "graft", 0) == "sweeps/clip_dynamics.yaml"
     assert catalog.method_display(catalog.delta_method(0.9)) == "δ=0.9"
+
+
+def test_best_checkpoint_is_a_trained_one():
+    # Step 0 (the initial model) is validated for the curves but cannot be selected.
+    assert rules.best_validation_step(pd.Series([0.5, 0.3, 0.4], index=[0, 5, 10])) == 10
+    assert math.isnan(rules.best_validation_step(pd.Series([0.5], index=[0])))
+
+
+def test_shares_of_a_joint_run_and_the_stored_cut():
+    job = pd.Series([1.0, 2.0, 3.0], index=[1, 2, 3])
+    assert rules.shares_mismatch(job, [job * 0.6, job * 0.4]) == pytest.approx(0)
+    assert rules.shares_mismatch(job, [job, job.drop(3)]) == pytest.approx(1.0)  # compared where all logged
+    assert math.isnan(rules.shares_mismatch(job, [pd.Series(dtype=float)]))
+    assert rules.cost_cut(40.9, 11.1) == pytest.approx(1 - 11.1 / 40.9)
+    assert math.isnan(rules.cost_cut(math.nan, 1.0)) and math.isnan(rules.cost_cut(0.0, 1.0))
