@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from graft_exp import tracking
@@ -15,9 +17,20 @@ log = logging.getLogger("graft_exp")
 register_schemas()
 
 
+def check_launch_mode(cfg: DictConfig) -> None:
+    """Hydra applies a launcher to multiruns only: ``cluster=slurm`` without ``-m`` would train in
+    the foreground, here, on the login machine. Stop and give the command that submits it."""
+    hydra_cfg = HydraConfig.get()
+    if cfg.cluster.name != "local" and hydra_cfg.mode == RunMode.RUN:
+        command = " ".join(["python -m graft_exp -m", *hydra_cfg.overrides.task])
+        raise ConfigError(f"cluster={cfg.cluster.name} launches multiruns only (Hydra runs a single job here, "
+                          f"in this process); nothing launched. Submit it as a one-job sweep: {command}")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        check_launch_mode(cfg)
         validate(cfg)
     except ConfigError as err:
         # A bad override stops the whole sweep before any training, with one clear line.

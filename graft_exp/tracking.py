@@ -5,18 +5,28 @@ and path settings. Opening a job finds the run with that key: FINISHED -> skippe
 the same run is resumed (a requeued or re-launched job never creates a second run), none -> a new
 run. Model runs carry their own key, so a GRPO baseline of one (model, n, seed) is found and
 shared by every pair that contains that model.
+
+Besides DESIGN.md's ``graft.*`` tags, runs carry what the MLflow UI reads: experiments are tagged
+as model-training experiments, runs have MLflow's source tags (git commit, entry point), short
+top-level params (method, pair, seed, delta, n, backend) next to the flattened config, a one-line
+description, and each model run its training and benchmark data as dataset inputs.
 """
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import os
 import subprocess
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunTag
+import mlflow.data
+import pandas as pd
+from mlflow.data.code_dataset_source import CodeDatasetSource
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +37,10 @@ NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study",
 PARENT_TAG = "mlflow.parentRunId"
 MAX_BATCH = 1000   # MLflow's log_batch limit on metrics per call
 MAX_PARAMS = 100   # ... and on params per call
+# MLflow 3.x records an experiment's kind in this tag; the UI's experiment-kind selector writes it.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+DESCRIPTION_TAG = "mlflow.note.content"
+DATASET_CONTEXT_TAG = "mlflow.data.context"   # what mlflow.log_input(context=...) writes
 
 
 class TrackingError(RuntimeError):
@@ -70,14 +84,29 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def git_sha() -> str:
+def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None
+
+
+def git_sha() -> str:
+    return _git("rev-parse", "HEAD") or "unknown"
+
+
+def source_tags(entry_point: str) -> dict[str, str]:
+    """MLflow's own source tags, which fill the UI's Source and User columns: the entry point, the
+    git commit (and remote, which the UI links to) of this checkout, local process or scheduler job."""
+    tags = {"mlflow.source.name": entry_point,
+            "mlflow.source.type": "JOB" if scheduler.slurm_job_id() else "LOCAL",
+            "mlflow.user": getpass.getuser()}
+    for key, args in (("commit", ("rev-parse", "HEAD")), ("repoURL", ("config", "--get", "remote.origin.url"))):
+        value = _git(*args)
+        if value:
+            tags[f"mlflow.source.git.{key}"] = value
+    return tags
 
 
 def experiment_name(cfg: DictConfig) -> str:
@@ -118,9 +147,12 @@ def ensure_store(uri: str, experiment: str) -> str:
         client = MlflowClient(uri)   # a database store is created, or its missing tables migrated, here
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
-            return client.create_experiment(experiment)
+            return client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
+        for key, value in EXPERIMENT_TAGS.items():   # experiments made before the kind was recorded
+            if key not in exp.tags:
+                client.set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     except Exception as err:  # MLflow raises many kinds; all mean the same thing to the user
         raise TrackingError(
@@ -258,22 +290,140 @@ def common_tags(cfg: DictConfig) -> dict[str, str]:
     }
 
 
+def key_params(cfg: DictConfig) -> dict[str, str]:
+    """Short top-level params to group and filter by in the UI, beside the flattened config.
+    ``delta`` is the compatibility floor of methods that gate peer responses, else ``none``."""
+    gated = cfg.method.co_train and cfg.method.gate
+    return {"method": cfg.method.name, "pair": cfg.pair.name, "seed": str(cfg.seed),
+            "delta": str(cfg.method.delta) if gated else "none", "n": str(cfg.method.n),
+            "backend": cfg.backend.name}
+
+
+def run_params(cfg: DictConfig) -> dict[str, str]:
+    """Params of job and model runs: the flattened resolved config and the short key params."""
+    return {**flatten(OmegaConf.to_container(cfg, resolve=True)), **key_params(cfg)}
+
+
+def job_description(cfg: DictConfig) -> str:
+    pair = cfg.pair
+    how = "co-trained" if cfg.method.co_train else "each trained alone"
+    return (f"{cfg.method.name} on pair {pair.name} ({pair.A} and {pair.B}, {how}), seed {cfg.seed}, "
+            f"n={cfg.method.n}, {cfg.backend.name} backend")
+
+
+def model_description(cfg: DictConfig, role: str) -> str:
+    peer = cfg.pair["B" if role == "A" else "A"]
+    source = "its stored GRPO n=8 log" if cfg.method.source == "stored" else "online"
+    partner = f", peer {peer} ({source})" if cfg.method.co_train else ""
+    return f"{cfg.pair[role]} (role {role}) trained with {cfg.method.name}{partner}, seed {cfg.seed}"
+
+
+class StoredLogMissing(TrackingError):
+    """graft_stored's source, the peer's finished GRPO n=8 run with the same seed, is not in the store."""
+
+
+def stored_log_run(client: MlflowClient, cfg: DictConfig, peer: str):
+    """The run whose trajectory log ``graft_stored`` replays when ``peer`` is the source: the newest
+    FINISHED GRPO n=8 model run of ``peer`` with this seed, in any graft/ experiment (or None). Any
+    backend's run of that model qualifies: the model key names the weights."""
+    experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    if not experiments:
+        return None
+    query = (f"tags.`graft.method` = 'grpo_n8' and tags.`graft.model` = '{peer}' and "
+             f"tags.`graft.seed` = '{cfg.seed}' and attributes.status = 'FINISHED'")
+    runs = client.search_runs(experiments, query, max_results=1, order_by=["attributes.start_time DESC"])
+    return runs[0] if runs else None
+
+
+def stored_log_peers(cfg: DictConfig) -> list[str]:
+    """The models whose GRPO n=8 logs a job replays: both of the pair (each role replays its peer)."""
+    return [cfg.pair.A, cfg.pair.B] if cfg.method.source == "stored" else []
+
+
+def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
+    """Raise StoredLogMissing, naming the job to launch first, when a peer log ``cfg`` replays is absent."""
+    missing = [peer for peer in stored_log_peers(cfg) if stored_log_run(client, cfg, peer) is None]
+    if missing:
+        raise StoredLogMissing(
+            f"method={cfg.method.name} replays the trajectory log of the finished GRPO n=8 run with seed "
+            f"{cfg.seed} of {' and '.join(missing)}, and {cfg.tracking.uri} has none: launch "
+            f"`python -m graft_exp pair={cfg.pair.name} method=grpo_n8 seed={cfg.seed}` first")
+
+
 def open_job(cfg: DictConfig) -> TrackedRun | None:
     """The job run of ``cfg`` (new or resumed), or None when a FINISHED run exists and not rerun.
 
-    Raises AlreadyRunning when another live job is training this key right now."""
+    Raises AlreadyRunning when another live job is training this key right now, and
+    StoredLogMissing (before any run is created) when a ``graft_stored`` job has no log to replay."""
     uri = cfg.tracking.uri
     experiment_id = ensure_store(uri, experiment_name(cfg))
     client = MlflowClient(uri)
     key = run_key(cfg)
     _refuse_live_duplicate(client, key)
-    tags = {**common_tags(cfg), "graft.git_sha": git_sha()}
+    check_stored_logs(cfg, client)
+    tags = {**common_tags(cfg), "graft.git_sha": git_sha(), **source_tags("python -m graft_exp"),
+            DESCRIPTION_TAG: job_description(cfg)}
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
     job = _open(client, experiment_id, key, tags, name, cfg.rerun)
     if job is not None:
         job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
-        job.log_params(flatten(OmegaConf.to_container(cfg, resolve=True)))
+        job.log_params(run_params(cfg))
     return job
+
+
+def _frame_input(frame: pd.DataFrame, name: str, source, context: str, digest: str | None = None) -> DatasetInput:
+    with warnings.catch_warnings():
+        # MLflow registers its local-file source class twice and warns that a path is ambiguous.
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+        dataset = mlflow.data.from_pandas(frame, source=source, name=name, digest=digest)
+    return DatasetInput(dataset._to_mlflow_entity(), [InputTag(DATASET_CONTEXT_TAG, context)])
+
+
+def _tiny_inputs(cfg: DictConfig) -> list[DatasetInput]:
+    """The tiny pair's generated splits, as the local backend draws them (graft_exp/tiny/task.py)."""
+    from graft_exp.tiny import models as tiny
+    from graft_exp.tiny.task import DATA_SEED, SKILLS, benchmark, train_split
+
+    def frame(problems):
+        return pd.DataFrame([(p.uid, p.skill, p.question, p.answer) for p in problems],
+                            columns=["uid", "skill", "question", "answer"])
+
+    size = int(cfg.pair.train_size)
+    source = {"generator": "graft_exp.tiny.task.train_split", "skills": ",".join(SKILLS),
+              "size": size, "eval_size": tiny.EVAL_SIZE, "data_seed": DATA_SEED}
+    inputs = [_frame_input(frame(train_split(SKILLS, tiny.EVAL_SIZE, size)), f"{cfg.pair.data}/train",
+                           CodeDatasetSource(source), "training")]
+    limit = cfg.eval.get("max_problems") or tiny.EVAL_SIZE
+    for bench in cfg.pair.benchmarks:
+        source = {"generator": "graft_exp.tiny.task.benchmark", "skill": bench, "problems": limit,
+                  "data_seed": DATA_SEED}
+        inputs.append(_frame_input(frame(benchmark(bench, tiny.EVAL_SIZE)[:limit]), f"{cfg.pair.data}/{bench}",
+                                   CodeDatasetSource(source), "evaluation"))
+    return inputs
+
+
+def _parquet_inputs(cfg: DictConfig) -> list[DatasetInput]:
+    """The Parquet files ``python -m graft_exp.prepare`` writes under ``backend.data_dir``; a digest of
+    the file's bytes (MLflow's own digest skips the nested prompt and answer columns)."""
+    from graft_exp.prepare import SOURCES
+
+    root = Path(cfg.backend.get("data_dir") or "data")
+    inputs = []
+    for key, context in [(cfg.pair.data, "training"), *((b, "evaluation") for b in cfg.pair.benchmarks)]:
+        if key not in SOURCES:
+            continue
+        path = (root / key / f"{SOURCES[key].output}.parquet").resolve()
+        if not path.is_file():
+            continue   # the backend reports the missing file when it reads it
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        inputs.append(_frame_input(pd.read_parquet(path), key, str(path), context, digest))
+    return inputs
+
+
+def dataset_inputs(cfg: DictConfig) -> list[DatasetInput]:
+    """The training data and benchmarks of ``cfg``'s pair as MLflow dataset inputs (name, digest,
+    source, schema, row count), so that the UI's Dataset column says what a model was trained on."""
+    return _tiny_inputs(cfg) if cfg.pair.data == "tiny_arith" else _parquet_inputs(cfg)
 
 
 def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | None:
@@ -284,7 +434,8 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, "graft.model": cfg.pair[role],
         "graft.peer": cfg.pair[other] if cfg.method.co_train else "none",
-        "graft.role": role, "graft.n": str(cfg.method.n),
+        "graft.role": role, "graft.n": str(cfg.method.n), **source_tags("python -m graft_exp"),
+        DESCRIPTION_TAG: model_description(cfg, role),
     }
     key = model_run_key(cfg, role)
     found = find_run(job.client, key)
@@ -294,6 +445,9 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     experiment_id = job.client.get_run(job.run_id).info.experiment_id
     name = f"{cfg.pair[role]}-{cfg.method.name}-s{cfg.seed}"
     run = _open(job.client, experiment_id, key, tags, name, cfg.rerun)
-    if run is not None and run.resumed:
-        run.set_tags(common_tags(cfg))
+    if run is not None:
+        if run.resumed:
+            run.set_tags(common_tags(cfg))
+        run.log_params(run_params(cfg))
+        job.client.log_inputs(run.run_id, datasets=dataset_inputs(cfg))   # MLflow skips inputs already logged
     return run

@@ -6,7 +6,11 @@ In the launching process, before any job starts (``on_multirun_start``):
     is checked: concurrent first-time SQLite schema creation crashes jobs, and a dead server
     must fail before submission, not in hundreds of jobs;
   * on a parallel cluster, two jobs that would train one shared GRPO baseline at the same time
-    are refused (``python -m graft_exp.sweep`` orders such jobs).
+    are refused (``python -m graft_exp.sweep`` orders such jobs);
+  * a ``graft_stored`` job whose peer GRPO n=8 log is neither in the store nor trained by an
+    earlier job of this (sequential) multirun is refused;
+  * submitit's "Bypassing sacct error" warning, printed at every poll where Slurm accounting is
+    disabled, is reported once.
 While the jobs run, a monitor thread reports each failed or crashed job with its log as soon as
 MLflow or Slurm shows it (Hydra's submitit launcher would report failures only at the end).
 
@@ -29,6 +33,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import scheduler, tracking
@@ -70,6 +75,51 @@ def multirun_jobs(config: DictConfig) -> list[PlannedJob] | None:
         with_hydra_removed = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         jobs.append(PlannedJob(len(jobs), list(overrides), with_hydra_removed))
     return jobs
+
+
+def missing_stored_logs(jobs: list[PlannedJob], parallel: bool) -> list[str]:
+    """``graft_stored`` jobs whose peer log (a FINISHED GRPO n=8 run of the model, same seed) is
+    neither in the store nor written first by an earlier job of this multirun: a sequential launcher
+    runs jobs in order; on a parallel one the log cannot exist in time."""
+    problems = []
+    for job in jobs:
+        peers = tracking.stored_log_peers(job.cfg)
+        if not peers:
+            continue
+        client = MlflowClient(job.cfg.tracking.uri)
+        earlier = [] if parallel else jobs[:job.index]
+        missing = [peer for peer in peers
+                   if not any(e.cfg.method.name == "grpo_n8" and e.cfg.seed == job.cfg.seed
+                              and peer in (e.cfg.pair.A, e.cfg.pair.B) for e in earlier)
+                   and tracking.stored_log_run(client, job.cfg, peer) is None]
+        if missing:
+            problems.append(f"job {job.label} replays the GRPO n=8 log of {' and '.join(missing)} with seed "
+                            f"{job.cfg.seed}: none in {job.cfg.tracking.uri}; launch `python -m graft_exp "
+                            f"pair={job.cfg.pair.name} method=grpo_n8 seed={job.cfg.seed}` first")
+    return problems
+
+
+class SacctWarningOnce(logging.Filter):
+    """Where Slurm accounting is disabled (``sacct`` fails: common on small clusters), submitit warns
+    "Bypassing sacct error" at every poll of every job. Say it once, in one line, and drop the rest:
+    job states still come from submitit's own files and, in the failure monitor, from squeue."""
+
+    reported = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Bypassing sacct error" not in record.getMessage():
+            return True
+        if not SacctWarningOnce.reported:
+            SacctWarningOnce.reported = True
+            log.warning("Slurm accounting is not available (sacct fails); job states come from submitit's "
+                        "result files and squeue. Reported once: %s", record.getMessage())
+        return False
+
+
+def report_sacct_errors_once() -> None:
+    submitit_log = logging.getLogger("submitit")
+    if not any(isinstance(f, SacctWarningOnce) for f in submitit_log.filters):
+        submitit_log.addFilter(SacctWarningOnce())
 
 
 def fail_before_launch(message: str) -> None:
@@ -160,6 +210,12 @@ class LaunchCallback(Callback):
                 tracking.ensure_store(uri, experiment)
         except tracking.TrackingError as err:
             fail_before_launch(f"nothing launched: {err}")
+        missing_logs = missing_stored_logs(jobs, bool(config.cluster.parallel))
+        if missing_logs:
+            fail_before_launch("nothing launched: stored-trajectory jobs have no log to replay:\n  "
+                               + "\n  ".join(missing_logs) + "\n(`python -m graft_exp.sweep` launches "
+                               "them after their GRPO n=8 jobs)")
+        report_sacct_errors_once()
         if config.cluster.parallel:
             finished = set()
             for uri in {uri for uri, _ in stores}:
