@@ -11,7 +11,7 @@ and raises ``ConfigError`` naming the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -78,28 +78,111 @@ class MethodConfig:
 
 
 @dataclass
+class PairConfig:
+    """Two models (roles A and B of conf/catalog/models.yaml), their training data and benchmarks."""
+
+    name: str = MISSING
+    A: str = MISSING
+    B: str = MISSING
+    data: str = MISSING               # math (prepare.py's Parquet) | tiny_arith (generated)
+    benchmarks: list[str] = MISSING   # bench keys of val/<bench> and test/<bench>
+    gpus: int = MISSING               # GPUs of one job (the paper: one 4-GPU node); 0 on CPU
+    train_size: Optional[int] = None  # tiny_arith: generated training prompts
+
+
+@dataclass
+class TrainConfig:
+    """Paper Table 3 (conf/config.yaml); every backend reads the same names."""
+
+    batch_prompts: int = MISSING
+    minibatch_prompts: int = MISSING
+    ppo_epochs: int = MISSING
+    total_epochs: int = MISSING
+    max_steps: Optional[int] = None   # null: total_epochs over the training split
+    optimizer: str = MISSING
+    lr: float = MISSING
+    lr_warmup_steps: int = MISSING
+    betas: list[float] = MISSING
+    weight_decay: float = MISSING
+    grad_clip: float = MISSING
+    max_prompt_length: int = MISSING
+    max_response_length: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+    kl_coef: float = MISSING
+    entropy_coef: float = MISSING
+    precision: str = MISSING
+    save_every: int = MISSING         # steps between resumable checkpoints (and at the last step)
+
+
+@dataclass
+class EvalConfig:
+    """Validation (every val_every steps, best checkpoint by the average) and the final evaluation."""
+
+    val_every: int = MISSING
+    val_samples: int = MISSING
+    max_problems: Optional[int] = None   # problems per benchmark (null: all)
+    runs: int = MISSING
+    samples: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+
+
+@dataclass
+class LocalBackendConfig:
+    """backend=local (graft_exp/backends/local.py)."""
+
+    name: str = "local"
+    device: str = "auto"              # auto | cpu | cuda
+    progress: bool = True
+    threads: Optional[int] = 1        # torch CPU threads (null: torch's default)
+
+
+@dataclass
+class VerlBackendConfig:
+    """backend=verl (graft_exp/backends/verl/config.py maps these and train/eval/method to verl's)."""
+
+    name: str = "verl"
+    gpus_per_model: int = 2
+    rollout_tp: int = 2
+    gpu_memory_utilization: float = 0.6
+    max_token_len_per_gpu: int = 16384
+    gradient_checkpointing: bool = True
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    agent_workers: int = 8
+    data_dir: str = MISSING
+    model_dir: str = MISSING
+    ray_address: Optional[str] = None
+    verl_overrides: list[str] = field(default_factory=list)
+    progress: bool = True
+
+
+@dataclass
 class RootConfig:
-    """The top-level keys of ``conf/config.yaml``: scalars typed here, sections typed by their own
-    group schema (``method``) or left to validate()."""
+    """The top-level keys of ``conf/config.yaml``: scalars typed here, groups by their schemas (pair,
+    train, eval here; method and backend by their group's ``schema`` / ``<name>_schema`` entries)."""
 
     seed: int = MISSING
     study: str = MISSING
     rerun: bool = MISSING
     checkpoint_root: str = MISSING
-    pair: Any = MISSING
+    pair: PairConfig = MISSING
     method: Any = MISSING
     backend: Any = MISSING
     cluster: Any = MISSING
     tracking: Any = MISSING
     models: Any = MISSING
-    train: Any = MISSING
-    eval: Any = MISSING
+    train: TrainConfig = MISSING
+    eval: EvalConfig = MISSING
 
 
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="config_schema", node=RootConfig)
     store.store(group="method", name="schema", node=MethodConfig)
+    store.store(group="backend", name="local_schema", node=LocalBackendConfig)
+    store.store(group="backend", name="verl_schema", node=VerlBackendConfig)
 
 
 def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
