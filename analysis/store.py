@@ -28,6 +28,8 @@ HISTORY_PREFIXES = ("test/", "val/")
 TAGS = ("method", "pair", "seed", "model", "peer", "role", "n", "best_step", "run_key", "study")
 _BULK_CHUNK = 500  # run ids per bulk query, far below SQLite's bound-parameter limit
 _HISTORY_COLUMNS = ["run_id", "key", "step", "value", "timestamp"]
+#: Tag of the runs ``python -m analysis ... --log-to-mlflow`` creates; they are outputs, not job or model runs.
+ANALYSIS_TAG = "graft.analysis"
 
 
 class StoreUnavailable(RuntimeError):
@@ -210,6 +212,8 @@ def load_store(tracking_uri: str, experiments: list[str] | None = None, progress
         raw = mlflow.search_runs(experiment_ids=list(selected), max_results=100000, output_format="pandas")
     finally:
         mlflow.set_tracking_uri(previous_uri)
+    if f"tags.{ANALYSIS_TAG}" in raw:
+        raw = raw[raw[f"tags.{ANALYSIS_TAG}"].isna()].reset_index(drop=True)
     if raw.empty:
         runs = pd.DataFrame(columns=["experiment", "status", "end_time", "parent_id", "is_model", *TAGS])
         runs.index.name = "run_id"

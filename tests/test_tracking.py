@@ -2,11 +2,13 @@
 FINISHED keys, resumption of unfinished ones (same run, each step once), refusal of a second live
 copy, ownership of shared GRPO baselines, GPU accounting."""
 
+import logging
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -168,3 +170,155 @@ def test_accounted_gpus(compose_cfg, monkeypatch):
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
     assert tracking.accounted_gpus(compose_cfg("pair=pair1")) == 16
+
+
+def test_runs_carry_what_the_mlflow_ui_reads(job_cfg, uri):
+    """The experiment is a model-training one; job and model runs have MLflow's source tags, the
+    short key params beside the flattened config, a description, and (model runs) their data as
+    dataset inputs, logged once however often the run is resumed."""
+    cfg = job_cfg("method=graft", "seed=2")
+    job = tracking.open_job(cfg)
+    model = tracking.open_model_run(cfg, job, "A")
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("graft/default")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    for run_id in (job.run_id, model.run_id):
+        run = client.get_run(run_id)
+        tags, params = run.data.tags, run.data.params
+        assert tags["mlflow.source.name"] == "python -m graft_exp" and tags["mlflow.source.type"] == "LOCAL"
+        assert tags["mlflow.source.git.commit"] == tags.get("graft.git_sha", tracking.git_sha())
+        assert {k: params[k] for k in ("method", "pair", "seed", "delta", "n", "backend")} == {
+            "method": "graft", "pair": "tiny", "seed": "2", "delta": "0.8", "n": "8", "backend": "local"}
+        assert params["method.delta"] == "0.8" and params["train.batch_prompts"] == "16"
+    assert client.get_run(job.run_id).data.tags["mlflow.note.content"] == (
+        "graft on pair tiny (tiny-char-llama and tiny-bpe-gpt2, co-trained), seed 2, n=8, local backend")
+    assert client.get_run(model.run_id).data.tags["mlflow.note.content"] == (
+        "tiny-char-llama (role A) trained with graft, peer tiny-bpe-gpt2 (online), seed 2")
+
+    def inputs():
+        found = client.get_run(model.run_id).inputs.dataset_inputs
+        return {(d.dataset.name, d.dataset.digest, d.dataset.source_type, d.tags[0].value) for d in found}
+
+    first = inputs()
+    assert {(name, context) for name, _, _, context in first} == {
+        ("tiny_arith/train", "training"), *((f"tiny_arith/{b}", "evaluation") for b in ("add", "sub", "mul", "mixed"))}
+    assert all(source == "code" and len(digest) == 8 for _, digest, source, _ in first)
+    assert tracking.open_model_run(cfg, job, "A").resumed
+    assert inputs() == first
+    # A GRPO baseline has no compatibility floor: its delta param says so.
+    assert tracking.key_params(job_cfg("method=grpo_n8"))["delta"] == "none"
+
+
+def test_prepared_parquet_files_are_the_dataset_inputs_of_paper_pairs(job_cfg, uri, tmp_path):
+    """pair1's model runs name prepare.py's Parquet files, with a digest of their bytes; a benchmark
+    not prepared yet is left out (the backend reports it when it reads it)."""
+    import hashlib
+
+    import pandas as pd
+
+    from graft_exp.prepare import SOURCES
+
+    data = tmp_path / "data"
+    for key in ("math", "math500", "aime2024"):
+        path = data / key / f"{SOURCES[key].output}.parquet"
+        path.parent.mkdir(parents=True)
+        pd.DataFrame({"data_source": [key] * 3, "prompt": [[{"role": "user", "content": f"{key} {i}"}] for i in range(3)],
+                      "reward_model": [{"ground_truth": str(i), "style": "rule"} for i in range(3)]}).to_parquet(path)
+    cfg = job_cfg("pair=pair1", "method=grpo_n8", "backend=verl", f"backend.data_dir={data}")
+    job = tracking.open_job(cfg)
+    model = tracking.open_model_run(cfg, job, "A")
+    found = {d.dataset.name: d for d in MlflowClient(uri).get_run(model.run_id).inputs.dataset_inputs}
+    assert set(found) == {"math", "math500", "aime2024"}
+    train = data / "math" / "train.parquet"
+    assert found["math"].dataset.digest == hashlib.sha256(train.read_bytes()).hexdigest()[:16]
+    assert found["math"].dataset.source == f'{{"uri": "{train}"}}'
+    assert found["math"].tags[0].value == "training" and found["aime2024"].tags[0].value == "evaluation"
+
+
+def test_stored_log_lookup_single_and_multirun(job_cfg, uri):
+    """graft_stored needs both models' FINISHED GRPO n=8 runs with its seed: checked before any
+    run is created, and before a multirun launches unless an earlier job of a sequential multirun
+    trains them."""
+    from graft_exp.launching.callbacks import PlannedJob, missing_stored_logs
+
+    stored = job_cfg("method=graft_stored")
+    grpo = job_cfg("method=grpo_n8")
+    client = MlflowClient(uri)
+    tracking.ensure_store(uri, "graft/default")
+    with pytest.raises(tracking.StoredLogMissing, match=r"of tiny-char-llama and tiny-bpe-gpt2, .* launch "
+                       r"`python -m graft_exp pair=tiny method=grpo_n8 seed=0` first"):
+        tracking.open_job(stored)
+    assert client.search_runs([client.get_experiment_by_name("graft/default").experiment_id]) == []
+
+    def plan(*cfgs):
+        return [PlannedJob(i, [c.method.name], c) for i, c in enumerate(cfgs)]
+
+    assert missing_stored_logs(plan(grpo, stored), parallel=False) == []
+    assert len(missing_stored_logs(plan(grpo, stored), parallel=True)) == 1
+    assert "tiny-char-llama and tiny-bpe-gpt2" in missing_stored_logs(plan(stored, grpo), parallel=False)[0]
+    job = tracking.open_job(grpo)
+    for role in ("A", "B"):
+        tracking.open_model_run(grpo, job, role).finish("FINISHED")
+    job.finish("FINISHED")
+    assert tracking.stored_log_run(client, stored, "tiny-bpe-gpt2").data.tags["graft.role"] == "B"
+    assert missing_stored_logs(plan(stored), parallel=True) == []
+    assert tracking.open_job(stored) is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["seed=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+    (["cluster=slurm", "seed=1"], "Submit it as a one-job sweep: python -m graft_exp -m cluster=slurm seed=1"),
+    (["method=graft_stored"], "launch `python -m graft_exp pair=tiny method=grpo_n8 seed=0` first"),
+    (["-m", "method=graft_stored", "seed=0,1"], "nothing launched: stored-trajectory jobs have no log to replay"),
+])
+def test_rough_edges_stop_with_a_message_and_no_run(uri, tmp_path, args, message):
+    done = subprocess.run([sys.executable, "-m", "graft_exp", *args, f"tracking.uri={uri}",
+                           f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    client = MlflowClient(uri)
+    assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
+
+
+def test_sacct_warning_is_reported_once(caplog):
+    """Without Slurm accounting submitit warns at every poll; the launching process says it once."""
+    from graft_exp.launching.callbacks import SacctWarningOnce, report_sacct_errors_once
+
+    SacctWarningOnce.reported = False
+    report_sacct_errors_once()
+    report_sacct_errors_once()   # a second multirun in the process installs no second filter
+    submitit_log = logging.getLogger("submitit")
+    with caplog.at_level(logging.INFO):
+        for call in range(1, 4):
+            submitit_log.warning(f"Call #{call} - Bypassing sacct error Command '['sacct', '-o', 'JobID']' "
+                                 "returned non-zero exit status 1., status may be inaccurate.")
+        submitit_log.warning("another submitit warning")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("sacct" in m for m in messages) == 1
+    assert "Slurm accounting is not available" in messages[0] and "another submitit warning" in messages
+
+
+def test_analysis_outputs_logged_as_a_run_the_analysis_skips(uri, tmp_path):
+    """python -m analysis tables|figures --log-to-mlflow: an analysis run in the study's experiment
+    holds exactly the files written; reading the store again ignores it."""
+    from analysis import __main__ as cli
+    from analysis.store import ANALYSIS_TAG, load_store
+    from analysis.synthetic import JobSpec, ModelSpec, write_jobs
+
+    s, q = "smollm3-3b-base", "qwen3-1.7b-base"
+    write_jobs(uri, [JobSpec("graft", "pair1", 0, [ModelSpec(s, "A", q, 8, 5, {"math500": [.6, .62]}),
+                                                   ModelSpec(q, "B", s, 8, 5, {"math500": [.4, .42]})])],
+               tmp_path / "artifacts")
+    before = sorted(load_store(uri).runs.index)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("graft/main").experiment_id
+    for command in ("tables", "figures"):
+        out = tmp_path / command
+        assert cli.main([command, "--tracking-uri", uri, "--out", str(out), "--log-to-mlflow"]) == 0
+        [run] = client.search_runs([experiment], f"tags.`{ANALYSIS_TAG}` = '{command}'")
+        assert run.info.run_name == f"analysis-{command}" and run.info.status == "FINISHED"
+        logged = {Path(f.path).name for f in client.list_artifacts(run.info.run_id, command)}
+        assert logged == {p.name for p in out.iterdir()} and len(logged) > 5
+    assert sorted(load_store(uri).runs.index) == before
