@@ -135,6 +135,54 @@ def check_store(uri: str, timeout_s: float = 10.0) -> None:
             ) from err
 
 
+def check_credentials(uri: str, experiment: str, timeout_s: float = 10.0) -> None:
+    """Fail before submission when a tracking server with authentication (MLflow's basic-auth
+    app) would refuse the jobs: their credentials, as MLflow reads them (MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD, else ~/.mlflow/credentials), are refused (401), the server refuses
+    the request itself (403, e.g. a host name outside its --allowed-hosts), or the user may not
+    write the existing experiment (403). A server without authentication passes."""
+    import requests
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    creds = read_mlflow_creds()
+    auth = (creds.username, creds.password) if creds.username and creds.password else None
+    who = f"user {creds.username!r}" if auth else "no credentials"
+    base = uri.rstrip("/")
+    fix = ("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or ~/.mlflow/credentials "
+           "(mode 0600), to a user of the server (python -m graft_exp.server add-user NAME)")
+    try:
+        me = requests.get(f"{base}/api/2.0/mlflow/users/current", auth=auth, timeout=timeout_s)
+        if me.status_code == 404:   # no authentication app: nothing to check
+            return
+        if me.status_code == 401:
+            raise TrackingError(f"the MLflow tracking server {uri} refused {who} (401 Unauthorized): "
+                                f"{fix}, then launch again")
+        if me.status_code == 403:
+            raise TrackingError(f"the MLflow tracking server {uri} refused the request (403 Forbidden: "
+                                f"{me.text.strip()[:200]}); if it names the Host header, start the "
+                                "server with this host name (graft_exp.server start --name)")
+        me.raise_for_status()
+        if me.json()["user"]["is_admin"]:
+            return
+        exp = requests.get(f"{base}/api/2.0/mlflow/experiments/get-by-name", auth=auth,
+                           params={"experiment_name": experiment}, timeout=timeout_s)
+        if exp.status_code == 404:   # a new experiment: creating it (ensure_store) is the check
+            return
+        exp.raise_for_status()
+        perm = requests.get(f"{base}/api/3.0/mlflow/users/permissions/get", auth=auth, timeout=timeout_s,
+                            params={"username": creds.username, "resource_type": "experiment",
+                                    "resource_id": exp.json()["experiment"]["experiment_id"]})
+        perm.raise_for_status()
+    except requests.RequestException as err:
+        raise TrackingError(f"cannot check the credentials on the MLflow tracking server {uri} "
+                            f"({type(err).__name__}: {err})") from err
+    if perm.json()["permission"] not in ("EDIT", "MANAGE"):
+        raise TrackingError(f"{who} may not write experiment {experiment!r} on the MLflow tracking "
+                            f"server {uri} (403 Forbidden: its permission is {perm.json()['permission']}); use the "
+                            "credentials of a user that writes (graft_exp.server add-user without "
+                            "--read-only) or have EDIT granted on the experiment")
+
+
 def ensure_store(uri: str, experiment: str) -> str:
     """Create (or migrate) the store and the experiment, from the launching process; return the
     experiment id.
@@ -143,6 +191,8 @@ def ensure_store(uri: str, experiment: str) -> str:
     starts. An unreachable server or unwritable store fails here, before anything is launched.
     """
     check_store(uri)
+    if uri.startswith(("http://", "https://")):
+        check_credentials(uri, experiment)
     try:
         client = MlflowClient(uri)   # a database store is created, or its missing tables migrated, here
         exp = client.get_experiment_by_name(experiment)
@@ -155,6 +205,10 @@ def ensure_store(uri: str, experiment: str) -> str:
                 client.set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     except Exception as err:  # MLflow raises many kinds; all mean the same thing to the user
+        if getattr(err, "error_code", None) == "PERMISSION_DENIED":
+            raise TrackingError(f"MLflow tracking server {uri} refused to create experiment "
+                                f"{experiment!r} (403 Forbidden): the user has read-only access; use "
+                                "credentials of a user that writes") from err
         raise TrackingError(
             f"MLflow tracking store {uri} is not usable ({type(err).__name__}: {err}). "
             "Start the server / fix tracking.uri (or MLFLOW_TRACKING_URI) and launch again."
