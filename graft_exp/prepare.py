@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,32 +43,53 @@ class Source:
     hub_id: str
     split: str
     question: str
-    answer: str                   # field holding the gold answer; "solution" -> its last \boxed{}
+    answer: str                   # field holding the gold answer
     rows: int                     # the paper's size, checked after loading
     configs: tuple[str, ...] = ()  # hub configs to concatenate (MATH's subjects)
     output: str = "test"          # Parquet file name under <data_dir>/<key>/
+    gold: str = "latex"           # how the field holds it: see gold_answer
 
 
 SOURCES = {
-    "math": Source("math", "EleutherAI/hendrycks_math", "train", "problem", "solution", 7500, MATH_SUBJECTS, "train"),
+    "math": Source("math", "EleutherAI/hendrycks_math", "train", "problem", "solution", 7500, MATH_SUBJECTS, "train",
+                   gold="boxed"),
     "math500": Source("math500", "HuggingFaceH4/MATH-500", "test", "problem", "answer", 500),
-    "aime2024": Source("aime2024", "HuggingFaceH4/aime_2024", "train", "problem", "answer", 30),
-    "aime2025": Source("aime2025", "yentinglin/aime_2025", "train", "problem", "answer", 30),
-    "amc23": Source("amc23", "math-ai/amc23", "test", "question", "answer", 40),
+    "aime2024": Source("aime2024", "HuggingFaceH4/aime_2024", "train", "problem", "answer", 30, gold="integer"),
+    "aime2025": Source("aime2025", "yentinglin/aime_2025", "train", "problem", "answer", 30, gold="integer"),
+    "amc23": Source("amc23", "math-ai/amc23", "test", "question", "answer", 40, gold="number"),
     "minerva": Source("minerva", "math-ai/minervamath", "test", "question", "answer", 272),
 }
 
 
 def gold_answer(record: dict, source: Source) -> str:
-    """The reference answer of one record: the field itself, or the last ``\\boxed{}`` of a worked
-    solution (MATH's training split has no separate answer field)."""
+    """The reference answer of one record, as the LaTeX the reward verifies against.
+
+    ``source.gold`` says how the field holds it: ``latex`` (MATH-500, Minerva: the string itself),
+    ``boxed`` (MATH's training split has no answer field: the last complete ``\\boxed{}`` of the worked
+    solution, extracted as the reward extracts a response's), ``integer`` (AIME: 0 to 999, leading zeros
+    dropped) or ``number`` (AMC23 stores floats: ``27.0`` becomes ``27``). A gold that does not fit is
+    an error here, not a silent zero reward at every step.
+    """
     value = record[source.answer]
-    if source.answer == "solution":
-        boxed = last_boxed(str(value))
-        if boxed is None:
-            raise PrepareError(f"{source.key}: a solution has no \\boxed{{}} answer: {str(value)[:120]!r}")
-        return boxed
-    return str(value)
+    text = str(value).strip()
+    if source.gold == "boxed":
+        boxed = last_boxed(text)
+        if boxed is None or not boxed.strip():
+            raise PrepareError(f"{source.key}: a solution has no \\boxed{{}} answer: {text[:120]!r}")
+        return boxed.strip()
+    if source.gold == "integer":
+        if not re.fullmatch(r"\d{1,3}", text):
+            raise PrepareError(f"{source.key}: an AIME answer must be an integer 0-999, got {value!r}")
+        return str(int(text))
+    if source.gold == "number":
+        try:
+            number = float(text)
+        except ValueError:
+            raise PrepareError(f"{source.key}: the answer {value!r} is not a number") from None
+        return str(int(number)) if number.is_integer() else text
+    if not text:
+        raise PrepareError(f"{source.key}: a record has an empty {source.answer!r}")
+    return text
 
 
 def verl_rows(records: Iterable[dict], source: Source) -> pd.DataFrame:

@@ -1,61 +1,346 @@
-"""The binary verifiable reward of the paper (App. B): math-verify on the *final* ``\\boxed{}``.
+"""The binary verifiable reward of the paper (App. B): math-verify on the *final* boxed answer.
 
-math-verify's default extraction is lenient (for ``...=187 \\boxed{18`` it extracts 187, and with two
-boxed answers it accepts either), so the last complete ``\\boxed{...}`` is extracted here, with
-balanced braces, and only its content is verified against the gold answer. No box, an unclosed box,
-an unparsable answer or a verification timeout all score 0, as in the paper.
+What is verified (DESIGN.md "Rewards — traps measured here"):
+
+- The last complete ``\\boxed{...}`` of the response, braces balanced (``\\{``/``\\}`` are escaped
+  characters, not braces). ``\\boxed {...}`` (a space before the brace, valid LaTeX) and ``\\fbox{...}``
+  count as boxes too; the bare-argument form ``\\boxed 5`` does not (its end is ambiguous). An unclosed
+  box does not hide an earlier complete one. ``<think>`` blocks get no special treatment: the final box of
+  the whole response is the answer, so a truncated response whose only box sits in its reasoning is
+  scored on that box ("responses that reach the generation limit are scored as generated").
+- Both the answer and the gold are handed to math-verify as delimited LaTeX, ``\\boxed{<text>}``, with
+  LaTeX extraction only: a bare string would go to math-verify's plain-expression reader, which reads a
+  leading number (``2`` "equals" ``2\\sqrt{3}``) and fails on ``\\frac{\\pi}{4}`` against itself.
+- Two normalisations math-verify's LaTeX reader lacks, applied to both sides: a plain number in
+  e-notation (Minerva's golds, ``7.5e5``) becomes ``7.5\\times10^{5}`` (LaTeX would read ``e`` as Euler's
+  number), and a trailing percent sign is dropped, like the units and ``^\\circ`` math-verify already
+  drops (``25\\%`` and ``25`` agree; ``0.25`` does not).
+- No box, an empty box, an unparsable answer or gold, a verification past ``VERIFY_TIMEOUT_S`` and a
+  crashed verifier all score 0, as in the paper.
+
+Where it runs: math-verify's own timeouts use ``signal.alarm`` and raise outside the main thread, so
+they are disabled (``parsing_timeout=None``, ``timeout_seconds=None``) and every verification runs in a
+pool of worker processes (``RewardPool``): a worker busy past the timeout on one answer is killed and
+replaced, that answer scores 0 and the rest of the batch goes on. ``reward``/``rewards`` therefore give
+the same result from the main thread, any thread and any process. The workers are fresh interpreters
+(``python -c``), not forks: nothing of the trainer (torch threads, CUDA, Hydra or submitit state) is
+copied into them, and unlike multiprocessing's spawn they do not re-import the caller's ``__main__``.
+The default pool starts lazily on the first call (one worker per available core, at most
+``MAX_WORKERS``), is reused by every later call of the process and is shut down at exit.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import atexit
+import json
+import logging
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
 
-from math_verify import parse, verify
+#: Wall-clock seconds one answer may take (parsing both sides and comparing); past it it scores 0.
+#: math-verify's own default per operation, which the paper's reward used.
+VERIFY_TIMEOUT_S = 5.0
+#: More workers than this do not pay: a step's 1,024 responses take ~1 s on one core.
+MAX_WORKERS = 16
+#: Seconds a fresh worker may take to import math-verify (sympy) on a loaded node.
+START_TIMEOUT_S = 120.0
+#: Address-space cap of a worker: a runaway expansion raises MemoryError (scored 0) instead of
+#: drawing the node's memory down before the timeout fires.
+WORKER_MEMORY_BYTES = 4 << 30
 
-BOXED = "\\boxed{"
-#: Seconds math-verify may spend parsing / comparing one answer; past it the response scores 0.
-VERIFY_TIMEOUT_S = 5
+# Each kind of answer costs sympy lazy imports and cache fills the first time it is seen (up to a few
+# hundred ms each on a loaded node); a fresh worker pays them before it reports ready, not inside the
+# timeout of some answer.
+_WARM_UP = (("1", "1"), ("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "\\sqrt{12}"), ("(1,2)", "(1, 2)"),
+            ("x \\in [2,5)", "[2,5)"), ("2 \\le x < 5", "[2,5)"), ("x=5", "5"), ("2x+3", "y=2x+3"),
+            ("\\{1,2\\}", "2,1"), ("(x+2)(x+5)", "x^2+7x+10"), ("\\text{(C)}", "C"), ("0.785", "\\frac{\\pi}{4}"),
+            ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"))
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
+_TRAILING_PERCENT = re.compile(r"\s*\\?%\s*$")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}`` of ``text`` (braces balanced), or None.
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) of ``text``, or None.
 
-    An unclosed box at the end does not hide an earlier complete one: the search walks back from
-    the last ``\\boxed{`` until one closes.
+    Braces must balance; a backslash escapes the next character, so ``\\{1,2\\}`` is content. An
+    unclosed box at the end does not hide an earlier complete one: the search walks back from the
+    last box until one closes.
     """
-    start = text.rfind(BOXED)
-    while start != -1:
-        depth, i = 1, start + len(BOXED)
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
+    for opening in reversed([m.end() for m in _BOX_OPEN.finditer(text)]):
+        depth, i = 1, opening
+        while i < len(text):
+            char = text[i]
+            if char == "\\":
+                i += 2
+                continue
+            depth += (char == "{") - (char == "}")
+            if depth == 0:
+                return text[opening:i]
             i += 1
-        if depth == 0:
-            return text[start + len(BOXED): i - 1]
-        start = text.rfind(BOXED, 0, start)
     return None
 
 
-@lru_cache(maxsize=65536)
-def verify_answer(answer: str, gold: str) -> float:
-    """1.0 if math-verify finds ``answer`` equivalent to ``gold``, else 0.0 (timeouts included:
-    math-verify returns no match when its timeout fires). Cached: short answers repeat a lot."""
-    gold_parsed = parse(gold, parsing_timeout=VERIFY_TIMEOUT_S)
-    answer_parsed = parse(answer, parsing_timeout=VERIFY_TIMEOUT_S)
+def as_latex(text: str) -> str:
+    """``text`` (a boxed answer or a gold) as the delimited LaTeX math-verify is given, normalised."""
+    text = _E_NOTATION.sub(r"\1\\times10^{\2}", text.strip())
+    return "\\boxed{" + _TRAILING_PERCENT.sub("", text) + "}"
+
+
+def _parse(text: str) -> list:
+    # Imported here: the trainer process only dispatches, and need not import sympy at all.
+    from math_verify import LatexExtractionConfig, parse
+
+    # LaTeX extraction only: math-verify's ExprExtractionConfig would read a leading number. The
+    # boxed pattern first, so the whole delimited string is taken. No signal-based timeout (see module doc).
+    return parse(as_latex(text), extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+                 parsing_timeout=None)
+
+
+def _verify(gold_parsed: list, answer: str) -> float:
+    from math_verify import verify
+
+    answer_parsed = _parse(answer)
     if not gold_parsed or not answer_parsed:
         return 0.0
-    return float(verify(gold_parsed, answer_parsed, timeout_seconds=VERIFY_TIMEOUT_S))
+    return float(verify(gold_parsed, answer_parsed, timeout_seconds=None))
+
+
+def verify_answer(answer: str, gold: str) -> float:
+    """1.0 if math-verify finds the boxed ``answer`` (its content) equivalent to ``gold``, else 0.0.
+
+    Runs in the calling thread with no timeout and no cache: this is what a worker of ``RewardPool``
+    runs; callers that need the timeout use ``rewards``.
+    """
+    return _verify(_parse(gold), answer)
+
+
+def serve() -> None:
+    """A worker's loop: one JSON line of ``[answer, gold]`` pairs in, one line per score out, in order.
+
+    Started by ``RewardPool`` as a fresh interpreter; it exits when its stdin closes. The first line
+    it writes is ``ready`` (math-verify imported and warmed up on each kind of answer).
+    """
+    import resource
+    import signal
+
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints (sympy, math-verify) go to stderr, never into the score stream
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the pool
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    except (ValueError, OSError):  # a lower hard limit already set, or a platform (macOS) that refuses it
+        pass
+    # "Timeout is disabled" is by design here, and parse failures are scored 0, not errors.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    for answer, gold in _WARM_UP:
+        verify_answer(answer, gold)
+    channel.write("ready\n")
+    for line in sys.stdin:
+        golds: dict[str, list] = {}  # a group's n responses share one gold: parse it once per chunk
+        for answer, gold in json.loads(line):
+            try:
+                if gold not in golds:
+                    golds[gold] = _parse(gold)
+                score = _verify(golds[gold], answer)
+            except Exception:  # noqa: BLE001 -- math-verify catches its own; anything left (MemoryError) scores 0
+                score = 0.0
+            channel.write(f"{score}\n")
+
+
+def default_workers() -> int:
+    """One worker per core this process may run on (Slurm's allocation), at most ``MAX_WORKERS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
+    return max(1, min(MAX_WORKERS, cores or 1))
+
+
+class _Worker:
+    """One worker process and the unread part of its output."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                                          os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from graft_exp.reward import serve; serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=False)
+        self.fd = self.process.stdout.fileno()
+        self.buffer = b""
+        self.ready = False
+        self.started = time.monotonic()
+        self.chunk: list[int] = []     # indices of the pairs sent and not yet scored
+        self.since = 0.0               # when the worker began its current pair
+
+    def send(self, chunk: list[int], pairs: list[tuple[str, str]]) -> None:
+        self.chunk, self.since = list(chunk), time.monotonic()
+        self.process.stdin.write(json.dumps([pairs[i] for i in chunk]).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def lines(self) -> list[str] | None:
+        """Complete lines available now, or None when the worker has exited."""
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            return None
+        self.buffer += data
+        *complete, self.buffer = self.buffer.split(b"\n")
+        return [line.decode() for line in complete]
+
+    def close_stdin(self) -> None:
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:  # it already exited with a request unread
+            pass
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.close_stdin()
+        self.process.stdout.close()
+
+
+class RewardPool:
+    """Worker processes that verify ``(answer, gold)`` pairs with a per-answer wall-clock timeout.
+
+    ``score`` spreads a batch over the workers in chunks; a worker that passes ``timeout_s`` on one
+    pair (or dies) is killed and replaced, that pair scores 0 and the rest of its chunk is re-queued.
+    Thread-safe: concurrent calls take turns (each already uses every worker). Workers start on the
+    first call. ``timeouts`` counts the pairs scored 0 that way.
+    """
+
+    def __init__(self, workers: int | None = None, timeout_s: float = VERIFY_TIMEOUT_S) -> None:
+        if workers is not None and workers < 1:
+            raise ValueError(f"a reward pool needs at least one worker, got {workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"the verification timeout must be positive, got {timeout_s}")
+        self.size = workers or default_workers()
+        self.timeout_s = timeout_s
+        self.timeouts = 0
+        self.pid = os.getpid()
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+
+    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """The score of each ``(answer, gold)`` pair (``verify_answer``), 0.0 past the timeout."""
+        if os.getpid() != self.pid:
+            raise RuntimeError("a RewardPool cannot be used from a forked child; make a new one there")
+        with self._lock:
+            if not self._workers:
+                self._workers = [_Worker() for _ in range(self.size)]
+            return self._run(pairs)
+
+    def _run(self, pairs: list[tuple[str, str]]) -> list[float]:
+        scores = [0.0] * len(pairs)
+        # Several chunks per worker balance slow answers; large chunks amortise the pipe round trip.
+        size = max(1, min(64, -(-len(pairs) // (4 * self.size))))
+        queue = deque(list(range(start, min(start + size, len(pairs)))) for start in range(0, len(pairs), size))
+        while queue or any(w.chunk for w in self._workers):
+            for index, worker in enumerate(self._workers):
+                if worker.ready and not worker.chunk and queue:
+                    chunk = queue.popleft()
+                    try:
+                        worker.send(chunk, pairs)
+                    except BrokenPipeError:  # it died while idle (killed from outside): nothing was in flight
+                        worker.kill()
+                        self._workers[index] = _Worker()
+                        queue.appendleft(chunk)
+            waiting = [w for w in self._workers if w.chunk or not w.ready]
+            now = time.monotonic()
+            deadlines = [w.since + self.timeout_s if w.chunk else w.started + START_TIMEOUT_S for w in waiting]
+            readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, min(deadlines) - now))
+            for worker in [w for w in waiting if w.fd in readable]:
+                lines = worker.lines()
+                if lines is None:
+                    self._replace(worker, queue, died=True)
+                    continue
+                for line in lines:
+                    if not worker.ready:
+                        worker.ready = line == "ready"
+                        continue
+                    scores[worker.chunk.pop(0)] = float(line)
+                    worker.since = time.monotonic()
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker.chunk and now - worker.since > self.timeout_s:
+                    self._replace(worker, queue, died=False)
+                elif not worker.ready and now - worker.started > START_TIMEOUT_S:
+                    self.close()
+                    raise RuntimeError(f"a reward worker did not start within {START_TIMEOUT_S:.0f} s")
+        return scores
+
+    def _replace(self, worker: _Worker, queue: deque, died: bool) -> None:
+        """Kill ``worker`` (hung or dead), score its current pair 0, re-queue the rest of its chunk."""
+        if not worker.ready:
+            self.close()
+            raise RuntimeError(f"a reward worker exited while starting (code {worker.process.poll()}); "
+                               "its error is on stderr above")
+        worker.kill()
+        self.timeouts += not died
+        if worker.chunk[1:]:
+            queue.appendleft(worker.chunk[1:])  # its current pair keeps the 0.0 it was given
+        self._workers[self._workers.index(worker)] = _Worker()
+        logging.getLogger(__name__).warning("reward worker %s on one answer; it scores 0 and the worker is "
+                                            "replaced", "died" if died else f"timed out ({self.timeout_s:g} s)")
+
+    def close(self) -> None:
+        """Stop the workers: their stdin closes and they exit; any still busy after a second is killed."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.close_stdin()
+        deadline = time.monotonic() + 1.0
+        for worker in workers:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+            worker.process.stdout.close()
+
+
+_default_pool: RewardPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> RewardPool:
+    """The process's shared pool (a forked child gets its own: the parent's pipes are not its to use)."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool.pid != os.getpid():
+            _default_pool = RewardPool()
+        return _default_pool
+
+
+@atexit.register
+def _close_default_pool() -> None:
+    if _default_pool is not None and _default_pool.pid == os.getpid():
+        _default_pool.close()
+
+
+def rewards(responses: list[str], golds: list[str], pool: RewardPool | None = None) -> list[float]:
+    """Binary reward of each response against its gold answer, verified in ``pool`` (default: the
+    process's shared pool). Identical ``(answer, gold)`` pairs of the batch are verified once."""
+    if len(responses) != len(golds):
+        raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
+    for value in (*responses, *golds):
+        if not isinstance(value, str):
+            raise TypeError(f"responses and gold answers must be strings, got {type(value).__name__} {value!r}")
+    answers = [last_boxed(r) for r in responses]
+    unique: dict[tuple[str, str], int] = {}
+    for answer, gold in zip(answers, golds):
+        if answer is not None and answer.strip():
+            unique.setdefault((answer, gold), len(unique))
+    if not unique:
+        return [0.0] * len(responses)
+    scores = (pool or default_pool()).score(list(unique))
+    return [scores[unique[(a, g)]] if (a, g) in unique else 0.0 for a, g in zip(answers, golds)]
 
 
 def reward(response: str, gold: str) -> float:
     """Binary reward r(q, o) in {0, 1}: the final complete boxed answer verified against ``gold``."""
-    answer = last_boxed(response)
-    if answer is None or not answer.strip():
-        return 0.0
-    return verify_answer(answer, gold)
-
-
-def rewards(responses: list[str], golds: list[str]) -> list[float]:
-    """``reward`` of each response against its gold answer."""
-    if len(responses) != len(golds):
-        raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
-    return [reward(r, g) for r, g in zip(responses, golds)]
+    return rewards([response], [gold])[0]

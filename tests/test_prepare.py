@@ -2,6 +2,7 @@
 back by verl's own RLHFDataset; a clear error where the hub cannot be reached."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,9 +27,37 @@ MATH_FIXTURE = [
 def test_gold_answer_is_last_complete_box_of_math_solutions():
     source = SOURCES["math"]
     assert [gold_answer(r, source) for r in MATH_FIXTURE] == ["2", "\\frac{2}{3}", "3"]
+    assert gold_answer({"solution": "So $\\boxed{17}$; check: $\\boxed{1"}, source) == "17"
+    assert gold_answer({"solution": "Hence $\\fbox{\\$18.90}$."}, source) == "\\$18.90"
     with pytest.raises(PrepareError, match="no \\\\boxed"):
         gold_answer({"solution": "no box here"}, source)
-    assert gold_answer({"question": "q", "answer": 40}, SOURCES["amc23"]) == "40"
+    with pytest.raises(PrepareError, match="no \\\\boxed"):
+        gold_answer({"solution": "an empty $\\boxed{ }$"}, source)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("aime2024", "204", "204"),
+    ("aime2025", "033", "33"),        # leading zeros, as AIME answer sheets write them
+    ("aime2024", 7, "7"),
+    ("amc23", 27.0, "27"),            # AMC23 stores floats
+    ("amc23", 0.5, "0.5"),
+    ("amc23", "40", "40"),
+    ("math500", " \\left( 3, \\frac{\\pi}{2} \\right) ", "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("minerva", "7.5e5", "7.5e5"),
+])
+def test_gold_answer_of_each_benchmark_format(key, value, expected):
+    assert gold_answer({SOURCES[key].answer: value}, SOURCES[key]) == expected
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("aime2024", "1000", "integer 0-999"),
+    ("aime2025", "\\frac{1}{2}", "integer 0-999"),
+    ("amc23", "(C)", "not a number"),
+    ("minerva", "  ", "empty 'answer'"),
+])
+def test_malformed_gold_is_an_error(key, value, message):
+    with pytest.raises(PrepareError, match=re.escape(message)):
+        gold_answer({SOURCES[key].answer: value}, SOURCES[key])
 
 
 def test_rows_follow_verl_schema_and_paper_prompt(tmp_path):
