@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -60,6 +60,15 @@ def bpe_tokenizer():
                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def _stop_ids(tokenizer) -> list[int]:
+    """The model's stop tokens: the ChatML-style model's generation config lists <|im_end|> (its end of
+    turn) before <|endoftext|>, as chat models' configs do; the char model has only its tokenizer's EOS."""
+    if "<|im_end|>" in tokenizer.get_vocab():
+        config = GenerationConfig(eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id])
+        return vb.stop_token_ids(tokenizer, config)
+    return vb.stop_token_ids(tokenizer)
+
+
 QUESTIONS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
              "Compute 7 * 6. Let's think step by step and output the final answer within \\boxed{}.",
              "Compute 99 - 3. Let's think step by step and output the final answer within \\boxed{}."]
@@ -87,7 +96,7 @@ def _rollouts(tokenizer, prompts: int = PROMPTS, n: int = N, finished_every: int
         for i in range(n):
             response = tokenizer.encode(ANSWERS[(p + i) % len(ANSWERS)], add_special_tokens=False)
             if i % finished_every == 0:
-                response = response + [tokenizer.eos_token_id]
+                response = response + [_stop_ids(tokenizer)[0]]
             prompt_rows.append(list(ids))
             responses.append(response[:RESPONSE_LEN])
     data = DataProto.from_dict(tensors=vb.pack_rows(prompt_rows, responses, prompt_length=PROMPT_LEN,
@@ -101,7 +110,7 @@ def _exchange_view(data: DataProto, tokenizer, model: str, rewards: torch.Tensor
     """The same rollouts as graft_exp.exchange sees them. With ``scores``, the generation log-probs are
     set so that a receiver whose old policy gives every token log-prob 0 scores them s = ``scores``."""
     prompts, n = rewards.shape
-    texts, finished = vb.decode_responses(data, tokenizer)
+    texts, finished = vb.decode_responses(data, tokenizer, _stop_ids(tokenizer))
     logp_sum, num_tokens = (data.batch["old_log_probs"] * data.batch["response_mask"]).sum(1).double(), \
         data.batch["response_mask"].sum(1)
     if scores is not None:
@@ -137,12 +146,13 @@ def test_peer_responses_retokenized_with_receiver_prompt_and_eos(char_tokenizer,
     source = _exchange_view(source_rows, char_tokenizer, "a", torch.zeros(PROMPTS, N))
     assert source.responses[0][0] == ANSWERS[0] and bool(source.finished[0, 0]) and not bool(source.finished[0, 1])
     pairs = [(1, i) for i in range(N)]                   # the whole group of prompt 1
-    peer = vb.peer_batch(receiver, N, pairs, source, bpe_tokenizer)
+    peer = vb.peer_batch(receiver, N, pairs, source, bpe_tokenizer, _stop_ids(bpe_tokenizer)[0])
     for row, (q, i) in enumerate(pairs):
         prompt, response = vb.row_tokens(peer, row)
         assert prompt == vb.row_tokens(receiver, q * N)[0]   # the receiver's own chat-template prompt
         assert bpe_tokenizer.decode(response, skip_special_tokens=True) == source.responses[q][i]
-        assert (response[-1] == bpe_tokenizer.eos_token_id) == bool(source.finished[q, i])
+        # a finished source response ends with the receiver's end of turn, <|im_end|>, not its <|endoftext|>
+        assert (response[-1] == bpe_tokenizer.convert_tokens_to_ids("<|im_end|>")) == bool(source.finished[q, i])
         assert response != vb.row_tokens(source_rows, q * N + i)[1]   # a different tokenization of the string
     assert torch.equal(peer.batch["position_ids"], compute_position_id_with_mask(peer.batch["attention_mask"]))
     assert list(peer.non_tensor_batch[vb.PROMPT_INDEX]) == [1] * N
@@ -152,20 +162,22 @@ def test_peer_responses_retokenized_with_receiver_prompt_and_eos(char_tokenizer,
 def test_scorer_sums_receiver_log_probs_over_retokenized_responses(char_tokenizer, bpe_tokenizer):
     source = _exchange_view(_rollouts(char_tokenizer), char_tokenizer, "a", torch.zeros(PROMPTS, N))
     receiver = _rollouts(bpe_tokenizer)
-    scorer = vb.PeerScorer(receiver, N, bpe_tokenizer, lambda b: -b.batch["responses"].float() / 1000)
+    scorer = vb.PeerScorer(receiver, N, bpe_tokenizer, lambda b: -b.batch["responses"].float() / 1000,
+                           _stop_ids(bpe_tokenizer)[0])
     sums, counts = scorer([0, 2], source)
     assert sums.shape == counts.shape == (2, N)
     for j, q in enumerate([0, 2]):
         for i in range(N):
             ids = vb.retokenize(source.responses[q][i], bpe_tokenizer, finished=bool(source.finished[q, i]),
-                                max_length=RESPONSE_LEN)
+                                max_length=RESPONSE_LEN, stop_id=_stop_ids(bpe_tokenizer)[0])
             assert int(counts[j, i]) == len(ids) and float(sums[j, i]) == pytest.approx(-sum(ids) / 1000)
     assert list(scorer.scored.non_tensor_batch[vb.PROMPT_INDEX]) == [0] * N + [2] * N   # kept for the update
 
 
 def test_retokenize_cut_at_limit_drops_eos(bpe_tokenizer):
-    ids = vb.retokenize("12 + 30 = 42, so \\boxed{42}", bpe_tokenizer, finished=True, max_length=5)
-    assert len(ids) == 5 and bpe_tokenizer.eos_token_id not in ids
+    ids = vb.retokenize("12 + 30 = 42, so \\boxed{42}", bpe_tokenizer, finished=True, max_length=5,
+                        stop_id=_stop_ids(bpe_tokenizer)[0])
+    assert len(ids) == 5 and not set(ids) & set(_stop_ids(bpe_tokenizer))
 
 
 #: Five prompts, n = 8: C_{A->B} = prompts 0, 1 (B failed all, 1 <= k_A < n), C_{B->A} = prompt 2.
@@ -180,8 +192,8 @@ def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
     rows = {"A": _rollouts(char_tokenizer, prompts, n), "B": _rollouts(bpe_tokenizer, prompts, n)}
     a = _exchange_view(rows["A"], char_tokenizer, "a", REWARDS_A, scores)
     b = _exchange_view(rows["B"], bpe_tokenizer, "b", REWARDS_B)
-    scorers = (vb.PeerScorer(rows["A"], n, char_tokenizer, certain_log_probs),
-               vb.PeerScorer(rows["B"], n, bpe_tokenizer, certain_log_probs))
+    scorers = (vb.PeerScorer(rows["A"], n, char_tokenizer, certain_log_probs, _stop_ids(char_tokenizer)[0]),
+               vb.PeerScorer(rows["B"], n, bpe_tokenizer, certain_log_probs, _stop_ids(bpe_tokenizer)[0]))
     gen = torch.Generator().manual_seed(0)
     if method.source == "stored":    # B replays A's log: one direction, no balancing
         a_to_b, _ = select_prompts(method, a.k, b.k, n, gen)
@@ -308,3 +320,48 @@ def test_peer_rows_need_the_scored_peer_batch(methods, char_tokenizer, bpe_token
     with pytest.raises(ValueError, match="no scored peer batch"):
         vb.receiver_batch(own, 8, None, plan)
     assert not math.isnan(plan.metrics["compat_mean"]) and np.isfinite(plan.metrics["peer_admitted"])
+
+
+def test_stop_tokens_from_generation_config(bpe_tokenizer):
+    """A chat model stops on its generation config's eos ids (<|im_end|>, <|endoftext|>), not only on its
+    tokenizer's EOS: a response ending with either is finished, its stop token is not part of the text,
+    and the peer copy of a finished response ends with the receiver's end of turn."""
+    stops = _stop_ids(bpe_tokenizer)
+    im_end, endoftext = bpe_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert stops == [im_end, endoftext] and bpe_tokenizer.eos_token_id == endoftext
+    body = bpe_tokenizer.encode("so \\boxed{42}", add_special_tokens=False)
+    data = DataProto.from_dict(tensors=vb.pack_rows([[5]] * 3, [body + [im_end], body + [endoftext], body],
+                                                    prompt_length=2, response_length=32,
+                                                    pad_token_id=bpe_tokenizer.pad_token_id))
+    texts, finished = vb.decode_responses(data, bpe_tokenizer, stops)
+    assert finished == [True, True, False] and texts == ["so \\boxed{42}"] * 3
+    # with the tokenizer's EOS alone (the old rule) the <|im_end|> response looked cut at the length limit
+    assert vb.decode_responses(data, bpe_tokenizer, vb.stop_token_ids(bpe_tokenizer))[1] == [False, True, False]
+    ids = vb.retokenize(texts[0], bpe_tokenizer, finished=True, max_length=32, stop_id=stops[0])
+    assert ids[-1] == im_end and bpe_tokenizer.decode(ids, skip_special_tokens=True) == texts[0]
+
+
+def test_tiny_pair_stop_tokens_from_their_assets():
+    """The tiny pair's own tokenizers and generation configs (graft_exp/tiny/assets): one EOS each."""
+    from transformers import AutoTokenizer
+
+    from graft_exp.tiny.models import ASSETS
+
+    for key in ("tiny-char-llama", "tiny-bpe-gpt2"):
+        tokenizer = AutoTokenizer.from_pretrained(ASSETS / key)
+        config = GenerationConfig.from_pretrained(ASSETS / key)
+        stops = vb.stop_token_ids(tokenizer, config)
+        assert stops == [tokenizer.eos_token_id]
+        text = "7 * 6 = 42 \\boxed{42}"
+        ids = vb.retokenize(text, tokenizer, finished=True, max_length=64, stop_id=stops[0])
+        data = DataProto.from_dict(tensors=vb.pack_rows([[ids[0]]], [ids], prompt_length=1, response_length=64,
+                                                        pad_token_id=tokenizer.pad_token_id))
+        assert vb.decode_responses(data, tokenizer, stops) == ([tokenizer.decode(ids[:-1], skip_special_tokens=True)],
+                                                               [True])
+
+
+def test_stop_tokens_need_an_eos():
+    tok = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    with pytest.raises(ValueError, match="no EOS"):
+        vb.stop_token_ids(tokenizer, GenerationConfig())

@@ -54,7 +54,11 @@ def test_table3_defaults_in_verl_config(pair1_graft, tmp_path):
     assert actor.optim.lr_scheduler_type == "constant" and actor.optim.lr_warmup_steps == 0
     assert data.train_batch_size == 128 and rollout.n == 8 and actor.ppo_mini_batch_size == 32
     assert actor.ppo_epochs == 1 and actor.shuffle is False
-    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.28, 3.0)
+    # the scheduler counts optimizer steps: 174 training steps x 4 minibatches (unknown until the data is read)
+    assert actor.optim.total_training_steps == -1
+    assert verl_config(pair1_graft, "B", str(tmp_path), training_steps=174).actor_rollout_ref.actor.optim \
+        .total_training_steps == 174 * 4
     assert (rollout.prompt_length, rollout.response_length) == (2048, 4096)
     assert (rollout.temperature, rollout.top_p) == (1.0, 1.0)
     assert actor.loss_agg_mode == "token-mean" and actor.use_kl_loss is False and actor.entropy_coeff == 0
@@ -76,6 +80,7 @@ def test_hacpo_released_configuration(tmp_path):
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
     spec = LossSpec.from_method(cfg.method)
     assert spec.kind == "hacpo" and spec.hacpo_cross_clip_delta == pytest.approx(0.2)
+    assert LossSpec.from_method(_compose("pair=pair1", "method=grpo_n8").method).clip_ratio_c == 3.0
 
 
 def test_verl_overrides_and_placement_errors(tmp_path):

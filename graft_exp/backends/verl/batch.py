@@ -86,32 +86,44 @@ def row_tokens(batch: DataProto, row: int) -> tuple[list[int], list[int]]:
     return prompt, response
 
 
-def decode_responses(batch: DataProto, tokenizer) -> tuple[list[str], list[bool]]:
-    """Each row's response string (special tokens dropped) and whether it ended with the model's EOS
-    (finished) rather than at the length limit. Rewards and transfers work on these strings."""
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids a model stops generating on: its generation config's ``eos_token_id`` (an int or a list;
+    chat models list their end-of-turn token, e.g. ``<|im_end|>``, before ``<|endoftext|>``), then the
+    tokenizer's EOS if it is not among them. vLLM stops on the same set (it reads the generation config).
+    The first id is the one a peer copy of a finished response ends with (``retokenize``)."""
+    ids: list[int] = []
+    configured = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    for value in ([configured] if isinstance(configured, int) else list(configured or [])) + [tokenizer.eos_token_id]:
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    if not ids:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} and its generation config name no EOS token")
+    return ids
+
+
+def decode_responses(batch: DataProto, tokenizer, stop_ids: list[int]) -> tuple[list[str], list[bool]]:
+    """Each row's response string and whether it ended with one of the model's ``stop_ids``
+    (``stop_token_ids``: finished) rather than at the length limit. The stop token is cut before decoding
+    (it need not be a special token) and special tokens are dropped. Rewards and transfers work on
+    these strings."""
     texts, finished = [], []
-    eos = _eos_ids(tokenizer)
+    stops = set(stop_ids)
     for row in range(len(batch)):
         _, response = row_tokens(batch, row)
-        texts.append(tokenizer.decode(response, skip_special_tokens=True))
-        finished.append(bool(response) and response[-1] in eos)
+        done = bool(response) and response[-1] in stops
+        texts.append(tokenizer.decode(response[:-1] if done else response, skip_special_tokens=True))
+        finished.append(done)
     return texts, finished
 
 
-def _eos_ids(tokenizer) -> set[int]:
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token_id")
-    return {eos} if isinstance(eos, int) else set(eos)
-
-
-def retokenize(text: str, tokenizer, *, finished: bool, max_length: int) -> list[int]:
+def retokenize(text: str, tokenizer, *, finished: bool, max_length: int, stop_id: int) -> list[int]:
     """A peer response string in the receiver's tokens: its encoding without special tokens, plus the
-    receiver's EOS when the source finished (so the receiver learns to stop where the source stopped),
-    cut at ``max_length`` (a cut response has no EOS, like one generated to the length limit)."""
+    receiver's stop token ``stop_id`` (the first of its ``stop_token_ids``: a chat model's end of turn)
+    when the source finished, so that the receiver learns to stop where the source stopped, cut at
+    ``max_length`` (a cut response has no stop token, like one generated to the length limit)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if finished:
-        ids = ids + [tokenizer.eos_token_id]
+        ids = ids + [int(stop_id)]
     return ids[:max_length]
 
 
@@ -122,16 +134,17 @@ def response_token_ids(batch: DataProto, n: int) -> list[list[list[int]]]:
 
 
 def peer_batch(receiver_own: DataProto, n: int, pairs: list[tuple[int, int]], source: Rollouts,
-               tokenizer) -> DataProto:
+               tokenizer, stop_id: int) -> DataProto:
     """The receiver's rows for the source's responses ``pairs`` = [(prompt, sample)]: the receiver's own
     prompt tokens of each prompt (taken from its first rollout of that prompt, so the chat template is
     exactly the one it generated with; its rollouts are prompt-major, ``n`` per prompt) and the
-    re-tokenized response string. verl's padded layout at the receiver's widths."""
+    re-tokenized response string, ending with the receiver's ``stop_id`` where the source finished.
+    verl's padded layout at the receiver's widths."""
     prompt_length = receiver_own.batch["prompts"].shape[1]
     response_length = receiver_own.batch["responses"].shape[1]
     prompts = [row_tokens(receiver_own, q * n)[0] for q, _ in pairs]
     responses = [retokenize(source.responses[q][i], tokenizer, finished=bool(source.finished[q, i]),
-                            max_length=response_length) for q, i in pairs]
+                            max_length=response_length, stop_id=stop_id) for q, i in pairs]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tensors = pack_rows(prompts, responses, prompt_length=prompt_length, response_length=response_length,
                         pad_token_id=pad)
@@ -147,8 +160,9 @@ class PeerScorer:
     receiver term). The scored rows, with their ``old_log_probs``, are kept in ``scored`` for the update,
     which trains on exactly those tokens and old log-probs."""
 
-    def __init__(self, receiver_own: DataProto, n: int, tokenizer, log_probs: LogProbs):
+    def __init__(self, receiver_own: DataProto, n: int, tokenizer, log_probs: LogProbs, stop_id: int):
         self.own, self.n, self.tokenizer, self.log_probs = receiver_own, n, tokenizer, log_probs
+        self.stop_id = stop_id
         self.scored: DataProto | None = None
 
     def __call__(self, prompts: list[int], source: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +175,7 @@ class PeerScorer:
 
     def score(self, pairs: list[tuple[int, int]], source: Rollouts) -> DataProto:
         """Re-tokenize and score the responses ``pairs`` of ``source``; they become ``scored``."""
-        batch = peer_batch(self.own, self.n, pairs, source, self.tokenizer)
+        batch = peer_batch(self.own, self.n, pairs, source, self.tokenizer, self.stop_id)
         batch.batch["old_log_probs"] = self.log_probs(batch)
         self.scored = batch
         return batch
@@ -194,6 +208,29 @@ def receiver_batch(own: DataProto, n: int, peer: DataProto | None, plan: Receive
         parts.append(_rows(peer, [where[q, i] for q, i in plan.nll], prompts, samples, prompts, zeros, zeros,
                            peer=True, sft=True))
     return DataProto.concat(parts)
+
+
+def grpo_batch(own: DataProto, n: int, advantages: torch.Tensor) -> DataProto:
+    """A model's own rollouts (prompt-major, ``n`` per prompt, with ``old_log_probs``) with GRPO
+    ``advantages`` [P, n] as a receiver batch without peer rows: weight 1, one group per prompt. Single-
+    model methods (and DAPO's partial batch after its last refill) train through the same loss and
+    ``minibatch_layout`` as the exchange methods, whose loss with unit weights and no peers is verl's
+    vanilla GRPO loss, so that rows padding a minibatch to the data-parallel size carry weight 0."""
+    prompts = len(own) // n
+    if prompts * n != len(own) or tuple(advantages.shape) != (prompts, n):
+        raise ValueError(f"{len(own)} rows are not {tuple(advantages.shape)} prompts x n={n} advantages")
+    prompt = [q for q in range(prompts) for _ in range(n)]
+    return _rows(own, list(range(len(own))), prompt, [i for _ in range(prompts) for i in range(n)], prompt,
+                 advantages.flatten().tolist(), [1.0] * len(own), peer=False, sft=False)
+
+
+def grpo_minibatches(num_prompts: int, minibatch_prompts: int) -> list[list[int]]:
+    """Consecutive groups of ``minibatch_prompts`` prompts (the last may be smaller: a DAPO batch that
+    its refills could not fill), in order, as ``minibatch_layout`` takes them."""
+    if minibatch_prompts < 1:
+        raise ValueError(f"minibatch_prompts must be >= 1, got {minibatch_prompts}")
+    return [list(range(start, min(start + minibatch_prompts, num_prompts)))
+            for start in range(0, num_prompts, minibatch_prompts)]
 
 
 def _row_columns(rows: list[Row]) -> tuple[list, list, list, list, list]:

@@ -9,6 +9,10 @@ paper fixes (Table 3, App. B) from ``train.*``, ``eval.*`` and ``method.*``, and
 from __future__ import annotations
 
 import copy
+import math
+import os
+import tempfile
+import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -79,16 +83,58 @@ def minibatch_prompts(cfg: DictConfig) -> int:
     return int(cfg.train.minibatch_prompts)
 
 
+def optimizer_updates_per_step(cfg: DictConfig) -> int:
+    """Optimizer steps per training step on a full batch: ppo_epochs x minibatches (Table 3: 128 / 32 = 4;
+    HACPO: its own and its peer's groups, 2 x 128 / 64 = 4). A step whose gate removed a whole minibatch
+    takes one fewer. The runtime calls ``update_actor`` once per optimizer step and verl's LR scheduler
+    steps once per call, so these are also the scheduler's steps."""
+    groups = int(cfg.train.batch_prompts) * (2 if cfg.method.peer_loss == "hacpo" else 1)
+    return int(cfg.train.ppo_epochs) * math.ceil(groups / minibatch_prompts(cfg))
+
+
+#: Environment variable carrying this job's token to every Ray actor (``ray_init_kwargs``).
+JOB_TOKEN_ENV = "GRAFT_JOB_TOKEN"
+
+
+def job_token() -> str:
+    """A token naming this job's node-local files (Slurm job id when there is one, plus randomness)."""
+    return f"{os.environ.get('SLURM_JOB_ID', 'local')}-{uuid.uuid4().hex[:8]}"
+
+
+def ray_init_kwargs(config: DictConfig, token: str | None = None) -> dict:
+    """``ray.init`` arguments for a job: verl's PPO runtime environment (``get_ppo_ray_runtime_env``:
+    ``VLLM_DISABLE_COMPILE_CACHE``, NCCL / vLLM log levels, ... as ``verl.trainer.main_ppo`` passes them)
+    plus this job's token for its socket names (``runtime.scoped_zmq_handle``), and, for the private Ray
+    a one-node job starts, a temp dir of its own (Ray's sessions and sockets; a cluster joined by
+    address keeps the one ``ray start`` was given).
+
+    ``config`` is the verl config of one of the job's models (``verl_config``)."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    token = token or job_token()
+    runtime_env = get_ppo_ray_runtime_env(config)
+    runtime_env.setdefault("env_vars", {})[JOB_TOKEN_ENV] = token
+    # Ray's Unix socket paths must stay under ~107 bytes: a short directory in the node's temp space.
+    base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
+    return {"runtime_env": runtime_env, "_temp_dir": os.path.join(base, f"graft-ray-{token}")}
+
+
 @lru_cache(maxsize=1)
 def _generated() -> DictConfig:
     return OmegaConf.load(GENERATED_CONFIG)
 
 
-def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
+def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps: int | None = None) -> DictConfig:
     """The full verl config of the model playing ``role`` ("A" or "B") in this job.
 
     The model's own worker group, vLLM replicas, tokenizer (its chat template comes with it) and
     checkpoints all follow from this config; the co-training driver holds one per model.
+
+    Learning-rate schedule: verl's scheduler steps once per ``update_actor`` call, which the runtime makes
+    once per optimizer step, so ``train.lr_warmup_steps`` counts *optimizer steps* (minibatches; 4 per
+    training step under Table 3), the unit of torch's and verl's schedulers; the scheduler's
+    ``total_training_steps`` is the run's optimizer steps, ``training_steps`` (default ``train.max_steps``;
+    the driver passes the number it computed from the data) x ``optimizer_updates_per_step``.
     """
     train, evaluation, method, backend = cfg.train, cfg.eval, cfg.method, cfg.backend
     place = placement(cfg)
@@ -100,6 +146,9 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
     if method.co_train and not hacpo and (float(train.kl_coef) or float(train.entropy_coef)):
         raise ValueError("train.kl_coef / train.entropy_coef > 0 are verl's GRPO terms; the exchange methods' loss "
                          "(graft_exp.backends.verl.loss) has no KL or entropy term (the paper uses none)")
+
+    steps = training_steps if training_steps is not None else train.max_steps
+    total_updates = -1 if steps is None else int(steps) * optimizer_updates_per_step(cfg)   # -1: verl's "unknown"
 
     base = copy.deepcopy(_generated())
     ours = {
@@ -136,6 +185,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
                 "clip_ratio": float(method.clip_low),
                 "clip_ratio_low": float(method.hacpo.self_clip_low if hacpo else method.clip_low),
                 "clip_ratio_high": float(method.hacpo.self_clip_high if hacpo else method.clip_high),
+                "clip_ratio_c": float(method.clip_ratio_c),
                 "loss_agg_mode": "token-mean",
                 "entropy_coeff": float(train.entropy_coef),
                 "use_kl_loss": kl_coef > 0,
@@ -150,6 +200,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str) -> DictConfig:
                     "lr_scheduler_type": "constant",
                     "lr_warmup_steps": int(train.lr_warmup_steps),
                     "lr_warmup_steps_ratio": 0.0,
+                    "total_training_steps": total_updates,
                 },
                 "fsdp_config": {
                     "param_offload": bool(backend.param_offload),

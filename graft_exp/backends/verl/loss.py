@@ -50,6 +50,7 @@ class LossSpec:
     kind: str                       # graft | sequence_ratio | luffy | sgt | hacpo
     clip_low: float = 0.2
     clip_high: float = 0.28
+    clip_ratio_c: float | None = 3.0   # verl's dual clip for A < 0 (graft_policy_loss's clip_ratio_c)
     luffy_gamma: float = 0.1
     sgt_lambda: float = 0.1
     hacpo_self_clip_low: float = 3e-4
@@ -73,7 +74,7 @@ class LossSpec:
             kind = "graft"
         hacpo = method.hacpo
         return cls(kind=kind, clip_low=float(method.clip_low), clip_high=float(method.clip_high),
-                   luffy_gamma=float(method.luffy_gamma), sgt_lambda=float(method.sgt_lambda),
+                   clip_ratio_c=float(method.clip_ratio_c), luffy_gamma=float(method.luffy_gamma), sgt_lambda=float(method.sgt_lambda),
                    hacpo_self_clip_low=float(hacpo.self_clip_low), hacpo_self_clip_high=float(hacpo.self_clip_high),
                    hacpo_cross_clip_delta=1.0 - float(hacpo.peer_clip_init),
                    hacpo_cross_clip_step=float(hacpo.peer_clip_step), hacpo_kl_coef=float(hacpo.kl_coef))
@@ -90,12 +91,15 @@ def _first(values: torch.Tensor) -> float:
 
 
 def _metrics(loss: torch.Tensor, raw: dict[str, torch.Tensor], dp_size: int) -> dict:
+    """Every micro-batch on every rank emits the same keys: verl's ``Metric.aggregate_dp`` needs one value
+    per micro-batch from each data-parallel rank (a key only some micro-batches emit, e.g. ``sft_tokens``
+    of SGT's NLL rows, fails there or is averaged over the wrong number of ranks), so a count a
+    micro-batch has no rows for is 0."""
     # verl averages SUM metrics over data-parallel ranks, then sums over micro-batches: counts are scaled
     # by dp_size so that the result is their global sum; the loss is already scaled (it is what verl logs).
     metrics = {"actor/pg_loss": Metric(AggregationType.SUM, loss.detach())}
-    for key, value in raw.items():
-        if key in COUNT_METRICS:
-            metrics[f"graft/{key}"] = Metric(AggregationType.SUM, float(value) * dp_size)
+    for key in COUNT_METRICS:
+        metrics[f"graft/{key}"] = Metric(AggregationType.SUM, float(raw.get(key, 0.0)) * dp_size)
     return metrics
 
 
@@ -119,7 +123,8 @@ def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_
     loss_fn = POLICY_LOSSES["graft" if spec.kind == "sgt" else spec.kind]
     extra = {"gamma": spec.luffy_gamma} if spec.kind == "luffy" else {}
     loss, raw = loss_fn(log_prob, cols["old_log_probs"], row_advantage, weights, mask, spec.clip_low,
-                        spec.clip_high, is_peer=is_peer, num_tokens=_first(cols[DENOMINATOR]), **extra)
+                        spec.clip_high, is_peer=is_peer, num_tokens=_first(cols[DENOMINATOR]),
+                        clip_ratio_c=spec.clip_ratio_c, **extra)
     if spec.kind == "sgt":
         sft_rows = cols[SFT].bool()
         if bool(sft_rows.any()):

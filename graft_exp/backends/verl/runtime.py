@@ -11,26 +11,46 @@ when one model is faster (Qwen3-1.7B waits for a 3B peer at the synchronisation 
 
 Both pools live in one Ray cluster, so vLLM servers, which verl names by replica rank, would collide:
 model B's replicas are numbered after A's (``start_rank``), and the worker side follows (``GraftActorWorker``).
+verl names the trainer -> vLLM weight-transfer sockets ``/tmp/rl-colocate-zmq-<Ray job id>-...``; every job
+that starts its own Ray has the same first job id, so the names also carry this job's token
+(``config.job_token``) on both sides (``scoped_job_id``).
+
+Batches are padded to a multiple of the data-parallel size before verl splits them across ranks, as verl's
+own trainer does (``pad_dataproto_to_divisor`` / ``unpad_dataproto``): log-prob passes strip the padding
+rows' outputs; update minibatches carry them with weight 0 (``batch.minibatch_layout``). Every update
+goes through our loss (``loss.actor_loss``; single-model GRPO too, where it equals verl's vanilla loss), one
+``update_actor`` call per optimizer step, so verl's LR scheduler steps once per optimizer step.
+
+Checkpoints follow verl's trainer layout: ``<root>/global_step_<k>`` and the tracker file
+``latest_checkpointed_iteration.txt``, written after the save completes; ``latest`` and ``best`` are two
+roots, each keeping only its newest step (verl's own retention, ``max_ckpt_to_keep``, counts every save of
+the worker's one checkpoint manager and would delete the other root's checkpoint).
 
 Nothing in this module has run on a GPU in this project's CI (no GPU there); ``tests/test_verl_*.py``
-cover the CPU-side pieces it calls (config, batches, layout, loss).
+cover the CPU-side pieces it calls (config, batches, layout, loss) and drive ``VerlModel`` over an
+in-process stand-in of its FSDP worker group (``tests/verl_standins.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import ray
 import torch
 from omegaconf import DictConfig
 from verl import DataProto
+from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.experimental.agent_loop import AgentLoopManager
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from verl.utils import tensordict_utils as tu
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, get_checkpoint_tracker_filename
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -38,25 +58,65 @@ from verl.workers.rollout.llm_server import LLMServerManager
 from verl.workers.rollout.replica import RolloutMode
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
+from graft_exp.backends.verl import batch as vb
+from graft_exp.backends.verl.config import JOB_TOKEN_ENV
 from graft_exp.backends.verl.loss import LossSpec, actor_loss
+
+#: verl's prefix of the trainer -> vLLM weight-transfer socket (vllm_rollout.py / vllm_rollout/utils.py).
+ZMQ_PREFIX = "rl-colocate-zmq-"
+
+
+def scoped_job_id(job_id: str, token: str) -> str:
+    """The Ray job id as both ends of the weight-transfer socket see it: prefixed by the job's token."""
+    return f"{token}-{job_id}"
+
+
+def scoped_zmq_handle(handle: str, old_rank: int, offset: int, token: str) -> str:
+    """verl's trainer-side socket name with the replica rank shifted by ``offset`` and the job id scoped
+    by ``token``, so that it equals what the vLLM worker of that replica computes from the environment
+    our server sets (``VERL_REPLICA_RANK``, ``VERL_RAY_JOB_ID`` = ``scoped_job_id``)."""
+    if ZMQ_PREFIX not in handle or f"-replica-{old_rank}-" not in handle:
+        raise ValueError(f"unexpected weight-transfer socket name {handle!r}: verl's naming changed")
+    handle = handle.replace(f"-replica-{old_rank}-", f"-replica-{old_rank + offset}-")
+    return handle.replace(ZMQ_PREFIX, f"{ZMQ_PREFIX}{token}-", 1)
 
 
 class GraftActorWorker(ActorRolloutRefWorker):
-    """verl's actor-rollout(-ref) worker, plus the replica-rank shift of a second pool's rollout."""
+    """verl's actor-rollout(-ref) worker, plus the replica-rank shift of a second pool's rollout and the
+    job-scoped weight-transfer socket."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def shift_rollout_replica_rank(self, offset: int) -> None:
+    def isolate_rollout(self, offset: int) -> None:
         old = self.rollout.replica_rank
         self.rollout.replica_rank = old + offset
-        # The weight-transfer socket name carries the replica rank; keep it unique across pools on a node.
-        self.rollout.zmq_handle = self.rollout.zmq_handle.replace(f"-replica-{old}-", f"-replica-{old + offset}-")
+        self.rollout.zmq_handle = scoped_zmq_handle(self.rollout.zmq_handle, old, offset, os.environ[JOB_TOKEN_ENV])
+
+
+def _job_scoped_server(server: type) -> type:
+    """verl's vLLM server actor whose workers name their weight-transfer socket with the scoped job id."""
+
+    class JobScopedServer(server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)   # sets VERL_RAY_JOB_ID; vLLM's workers start later and inherit it
+            os.environ["VERL_RAY_JOB_ID"] = scoped_job_id(os.environ["VERL_RAY_JOB_ID"], os.environ[JOB_TOKEN_ENV])
+
+    JobScopedServer.__name__ = f"JobScoped{server.__name__}"
+    return JobScopedServer
 
 
 def offset_replica_class(base: type, offset: int) -> type:
-    """A rollout replica class whose global ``replica_rank`` starts at ``offset`` but which takes its
-    workers from its own worker group by the local rank."""
+    """A vLLM rollout replica class whose global ``replica_rank`` starts at ``offset``, which takes its
+    workers from its own worker group by the local rank, and whose servers scope the socket names."""
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+    if not issubclass(base, vLLMReplica):
+        raise ValueError(f"graft_exp's verl backend runs vLLM rollouts; got {base.__name__}")
 
     class OffsetReplica(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.server_class = ray.remote(_job_scoped_server(vLLMHttpServer))
+
         async def init_hybrid(self, worker_group: RayWorkerGroup):
             self.rollout_mode = RolloutMode.HYBRID
             local = self.replica_rank - offset
@@ -67,14 +127,42 @@ def offset_replica_class(base: type, offset: int) -> type:
     return OffsetReplica
 
 
+def save_checkpoint(wg, root: str, step: int) -> str:
+    """Save the worker group's model, optimizer and extra state as ``<root>/global_step_<step>``, then
+    point verl's tracker file at it and delete the root's older steps. A crash mid-save leaves the
+    previous checkpoint and tracker intact. verl's manager keeps every path (``max_ckpt_to_keep=None``):
+    one manager serves both roots, and its retention would delete the other root's checkpoint."""
+    path = os.path.join(root, f"global_step_{step}")
+    wg.save_checkpoint(path, None, step, max_ckpt_to_keep=None)
+    tracker = get_checkpoint_tracker_filename(root)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(tracker + ".tmp", tracker)
+    for old in Path(root).glob("global_step_*"):
+        if old.is_dir() and old.name != f"global_step_{step}":
+            shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(wg, root: str) -> int:
+    """Load the newest checkpoint of ``root`` (verl's tracker file) into the worker group; its step."""
+    path = find_latest_ckpt_path(root)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint under {root}: {get_checkpoint_tracker_filename(root)} or the step "
+                                "directory it names is missing")
+    wg.load_checkpoint(path, del_local_after_load=False)
+    return int(Path(path).name.removeprefix("global_step_"))
+
+
 @dataclass
 class VerlModel:
     """One trained model: role, verl config, tokenizer and its live Ray objects."""
 
     role: str
     config: DictConfig
-    loss: LossSpec | None            # None: verl's own vanilla GRPO loss (single-model methods)
+    loss: LossSpec                   # every method's, single-model GRPO included (LossSpec.from_method)
     tokenizer: object = None
+    stop_ids: list[int] = field(default_factory=list)   # batch.stop_token_ids of the model
     wg: RayWorkerGroup = None
     servers: LLMServerManager = None
     agent_loop: AgentLoopManager = None
@@ -86,21 +174,22 @@ class VerlModel:
     def gpus(self) -> int:
         return int(self.config.trainer.n_gpus_per_node) * int(self.config.trainer.nnodes)
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of the FSDP worker group (no sequence parallelism)."""
+        return self.wg.world_size
+
     def start(self, pool, replica_offset: int, with_ref: bool) -> None:
         """Spawn the worker group on ``pool``, build FSDP + vLLM + checkpoint engine, then sleep vLLM."""
         model_config: HFModelConfig = omega_conf_to_dataclass(self.config.actor_rollout_ref.model)
-        self.tokenizer = model_config.tokenizer
         role = "actor_rollout_ref" if with_ref else "actor_rollout"
         worker = RayClassWithInitArgs(cls=ray.remote(GraftActorWorker), config=self.config.actor_rollout_ref,
                                       role=role)
-        self.wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cuda",
-                                 name_prefix=f"graft_{self.role}")
-        self.wg.init_model()
-        if self.loss is not None:
-            actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-            self.wg.set_loss_fn(partial(actor_loss, actor_cfg, self.loss))
-        if replica_offset:
-            self.wg.shift_rollout_replica_rank(replica_offset)
+        wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cuda",
+                            name_prefix=f"graft_{self.role}")
+        wg.init_model()
+        self.attach(wg, model_config.tokenizer, model_config.generation_config)
+        wg.isolate_rollout(replica_offset)
         manager = LLMServerManager(config=self.config, worker_group=self.wg, rollout_resource_pool=pool,
                                    start_rank=replica_offset)
         manager.rollout_replica_class = offset_replica_class(manager.rollout_replica_class, replica_offset)
@@ -113,6 +202,15 @@ class VerlModel:
                                                    replicas=manager.get_replicas())
         self.replicas = len(manager.get_replicas())
         self.checkpoints.sleep_replicas()
+
+    def attach(self, wg, tokenizer, generation_config=None) -> None:
+        """Train and score through ``wg`` (verl's FSDP worker group, or an in-process stand-in with the
+        same methods in tests) with this model's loss; ``tokenizer`` and ``generation_config`` (the HF
+        model's) give its stop tokens."""
+        self.wg, self.tokenizer = wg, tokenizer
+        self.stop_ids = vb.stop_token_ids(tokenizer, generation_config)
+        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        wg.set_loss_fn(partial(actor_loss, actor_cfg, self.loss))
 
     # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: DataProto, step: int, validate: bool = False) -> DataProto:
@@ -129,44 +227,61 @@ class VerlModel:
     # --- scoring ----------------------------------------------------------------------------------
     def log_probs(self, batch: DataProto, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs [B, T] of the batch's responses under the current (old) policy or the
-        reference model, computed by the FSDP workers (verl's ``compute_log_prob`` path)."""
-        td = left_right_2_no_padding(batch.select(batch_keys=["prompts", "responses", "input_ids", "attention_mask",
-                                                              "position_ids", "response_mask"]).to_tensordict())
+        reference model, computed by the FSDP workers (verl's ``compute_log_prob`` path). Any B: the batch
+        is padded to a multiple of the data-parallel size for verl's split and the padding is stripped."""
+        selected = batch.select(batch_keys=["prompts", "responses", "input_ids", "attention_mask", "position_ids",
+                                            "response_mask"])
+        padded, pad_size = pad_dataproto_to_divisor(selected, self.dp_size)
+        td = left_right_2_no_padding(padded.to_tensordict())
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False,
                              temperature=float(self.config.actor_rollout_ref.rollout.temperature))
         output = self.wg.compute_ref_log_prob(td) if reference else self.wg.compute_log_prob(td)
-        return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
+        log_probs = no_padding_2_padding(tu.get(output, "log_probs"), td).float()
+        return log_probs[:len(log_probs) - pad_size]
 
     # --- optimisation -----------------------------------------------------------------------------
     def update_minibatches(self, minibatches: list[DataProto]) -> dict[str, list[float]]:
-        """One optimizer step per minibatch, in the given order (our layout, so verl must not shuffle)."""
+        """``ppo_epochs`` passes over the minibatches (``batch.minibatch_layout``: padded to the
+        data-parallel size, weight-0 padding), in the given order (our layout, so verl must not shuffle),
+        one optimizer step and one LR-scheduler step per minibatch."""
         metrics: dict[str, list[float]] = {}
-        for minibatch in minibatches:
-            for key, values in self._update(minibatch, len(minibatch)).items():
-                metrics.setdefault(key, []).extend(values if isinstance(values, list) else [values])
+        for _ in range(int(self.config.actor_rollout_ref.actor.ppo_epochs)):
+            for minibatch in minibatches:
+                for key, values in self._update(minibatch).items():
+                    metrics.setdefault(key, []).extend(values if isinstance(values, list) else [values])
         return metrics
 
-    def update_grpo(self, batch: DataProto) -> dict[str, list[float]]:
-        """verl's standard update: ppo_mini_batch_size prompts x n rows per minibatch, its vanilla loss."""
-        rows = int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
-        return self._update(batch, rows)
+    def update_grpo(self, own: DataProto, advantages: torch.Tensor) -> dict[str, list[float]]:
+        """Single-model GRPO on the model's own rollouts (prompt-major, n per prompt, ``old_log_probs``)
+        with advantages [P, n]: minibatches of ``ppo_mini_batch_size`` prompts in order (a DAPO batch
+        may end with a smaller one), through the same loss and layout as the exchange methods."""
+        n = int(self.config.actor_rollout_ref.rollout.n)
+        batch = vb.grpo_batch(own, n, advantages)
+        groups = vb.grpo_minibatches(len(own) // n, int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size))
+        return self.update_minibatches(vb.minibatch_layout(batch, groups, dp_size=self.dp_size))
 
-    def _update(self, batch: DataProto, mini_batch_rows: int) -> dict:
+    def _update(self, minibatch: DataProto) -> dict:
+        """One ``update_actor`` call = one optimizer step over the whole minibatch."""
+        rows = len(minibatch)
+        if rows % self.dp_size:
+            raise ValueError(f"a minibatch of {rows} rows does not split over {self.dp_size} data-parallel ranks; "
+                             "lay it out with batch.minibatch_layout")
         actor = self.config.actor_rollout_ref.actor
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=mini_batch_rows,
-                             mini_batch_size=mini_batch_rows, epochs=int(actor.ppo_epochs),
+        td = left_right_2_no_padding(minibatch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=rows, mini_batch_size=rows, epochs=1,
                              seed=int(actor.data_loader_seed), dataloader_kwargs={"shuffle": False}, compute_loss=True,
                              temperature=float(self.config.actor_rollout_ref.rollout.temperature))
         output = self.wg.update_actor(td)
         return dict(tu.get(output, "metrics"))
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def save(self, path: str, step: int) -> None:
-        self.wg.save_checkpoint(path, None, step, max_ckpt_to_keep=1)
+    def save(self, root: str, step: int) -> str:
+        """Checkpoint under ``root`` (e.g. ``<run>/A/latest`` or ``<run>/A/best``); see ``save_checkpoint``."""
+        return save_checkpoint(self.wg, root, step)
 
-    def load(self, path: str) -> None:
-        self.wg.load_checkpoint(path, del_local_after_load=False)
+    def load(self, root: str) -> int:
+        """Restore the newest checkpoint under ``root``; returns its step."""
+        return load_checkpoint(self.wg, root)
 
 
 def start_models(models: list[VerlModel], with_ref: bool) -> None:
