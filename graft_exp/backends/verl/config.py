@@ -243,7 +243,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
             "total_epochs": int(train.total_epochs),
             "total_training_steps": None if train.max_steps is None else int(train.max_steps),
             "test_freq": int(evaluation.val_every),
-            "save_freq": int(backend.save_every),
+            "save_freq": int(cfg.train.save_every),
             "default_local_dir": checkpoint_dir,
             "resume_mode": "auto",
             "val_before_train": False,
