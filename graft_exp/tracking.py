@@ -130,8 +130,8 @@ def check_store(uri: str, timeout_s: float = 10.0) -> None:
         except requests.RequestException as err:
             raise TrackingError(
                 f"the MLflow tracking server {uri} does not answer ({type(err).__name__}: {err}). "
-                "Start it (mlflow server --backend-store-uri postgresql://... "
-                "--artifacts-destination ...) or fix MLFLOW_TRACKING_URI, then launch again."
+                "Start it (python -m graft_exp.server start --dir ... --host ...) or fix "
+                "MLFLOW_TRACKING_URI, then launch again."
             ) from err
 
 
@@ -422,7 +422,23 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     if job is not None:
         job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
         job.log_params(run_params(cfg))
+        client.log_inputs(job.run_id, datasets=dataset_inputs(cfg))   # MLflow skips inputs already logged
     return job
+
+
+def ui_link(experiment_id: str, server: str = "http://127.0.0.1:5000") -> str:
+    """The experiment's runs table in the MLflow UI. MLflow 3.17's UI opens every experiment on its
+    GenAI overview unless the workflow type is ``machine_learning`` (its sidebar toggle "Model
+    training", remembered per browser, or this URL parameter); the experiment-kind tag does not
+    change that."""
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def compare_hint(uri: str, experiment_id: str) -> str:
+    """One line telling where to compare the runs of ``experiment_id``."""
+    if uri.startswith(("http://", "https://")):
+        return f"compare the runs in the MLflow UI: {ui_link(experiment_id, uri)}"
+    return f"compare the runs in the MLflow UI: mlflow ui --backend-store-uri {uri}, then open {ui_link(experiment_id)}"
 
 
 def _frame_input(frame: pd.DataFrame, name: str, source, context: str, digest: str | None = None) -> DatasetInput:

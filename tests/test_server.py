@@ -296,6 +296,7 @@ def test_refused_credentials_stop_a_sweep_before_submission(server, as_user, tmp
     assert not (tmp_path / "multirun" / ".submitit").exists()      # nothing was submitted
 
 
+@pytest.mark.slow
 def test_job_on_a_compute_node_loses_no_step_across_a_server_restart(server, node, as_user, tmp_path,
                                                                     record_property):
     # The job's credentials come from ~/.mlflow/credentials (0600) on the node, not the environment.
