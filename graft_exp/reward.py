@@ -58,7 +58,7 @@ WORKER_MEMORY_BYTES = 4 << 30
 # Each kind of answer costs sympy lazy imports and cache fills the first time it is seen (up to a few
 # hundred ms each on a loaded node); a fresh worker pays them before it reports ready, not inside the
 # timeout of some answer.
-_WARM_UP = (("1", "1"), ("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "\\sqrt{12}"), ("(1,2)", "(1, 2)"),
+WARM_UP = (("1", "1"), ("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "\\sqrt{12}"), ("(1,2)", "(1, 2)"),
             ("x \\in [2,5)", "[2,5)"), ("2 \\le x < 5", "[2,5)"), ("x=5", "5"), ("2x+3", "y=2x+3"),
             ("\\{1,2\\}", "2,1"), ("(x+2)(x+5)", "x^2+7x+10"), ("\\text{(C)}", "C"), ("0.785", "\\frac{\\pi}{4}"),
             ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"))
@@ -141,7 +141,7 @@ def serve() -> None:
         pass
     # "Timeout is disabled" is by design here, and parse failures are scored 0, not errors.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    for answer, gold in _WARM_UP:
+    for answer, gold in WARM_UP:
         verify_answer(answer, gold)
     channel.write("ready\n")
     for line in sys.stdin:
@@ -211,7 +211,7 @@ class RewardPool:
     ``score`` spreads a batch over the workers in chunks; a worker that passes ``timeout_s`` on one
     pair (or dies) is killed and replaced, that pair scores 0 and the rest of its chunk is re-queued.
     Thread-safe: concurrent calls take turns (each already uses every worker). Workers start on the
-    first call. ``timeouts`` counts the pairs scored 0 that way.
+    first call (or on ``start``). ``timeouts`` counts the pairs scored 0 that way.
     """
 
     def __init__(self, workers: int | None = None, timeout_s: float = VERIFY_TIMEOUT_S) -> None:
@@ -228,12 +228,21 @@ class RewardPool:
 
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
         """The score of each ``(answer, gold)`` pair (``verify_answer``), 0.0 past the timeout."""
+        with self._lock:
+            self._start()
+            return self._run(pairs)
+
+    def start(self) -> None:
+        """Start the workers now, without waiting for them (they import math-verify in the
+        background): a trainer that calls this while it loads its models hides the start-up."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         if os.getpid() != self.pid:
             raise RuntimeError("a RewardPool cannot be used from a forked child; make a new one there")
-        with self._lock:
-            if not self._workers:
-                self._workers = [_Worker() for _ in range(self.size)]
-            return self._run(pairs)
+        if not self._workers:
+            self._workers = [_Worker() for _ in range(self.size)]
 
     def _run(self, pairs: list[tuple[str, str]]) -> list[float]:
         scores = [0.0] * len(pairs)

@@ -101,6 +101,21 @@ def test_pathological_answer_times_out_and_the_pool_goes_on():
         pool.close()
 
 
+def test_start_returns_at_once_and_close_stops_the_workers():
+    pool = RewardPool(workers=2)
+    start = time.monotonic()
+    pool.start()
+    assert time.monotonic() - start < 1.0  # the interpreters import math-verify in the background
+    processes = [w.process for w in pool._workers]
+    assert len(processes) == 2
+    assert rewards(["\\boxed{\\pi}"], ["\\pi"], pool=pool) == [1.0]
+    pool.close()
+    # stdin closed: an idle worker exits on its own, one still starting is killed after a second
+    assert all(p.returncode is not None for p in processes)
+    assert rewards(["\\boxed{\\pi}"], ["\\pi"], pool=pool) == [1.0]  # a closed pool starts again
+    pool.close()
+
+
 def test_a_worker_killed_between_batches_is_replaced(pool):
     rewards(["\\boxed{1}"], ["1"], pool=pool)
     victim = next(w for w in pool._workers if w.ready)  # as the OOM killer would pick it
