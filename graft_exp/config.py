@@ -154,6 +154,7 @@ class VerlBackendConfig:
     data_dir: str = MISSING
     model_dir: str = MISSING
     ray_address: Optional[str] = None
+    nnodes: int = 1
     verl_overrides: list[str] = field(default_factory=list)
     progress: bool = True
 
