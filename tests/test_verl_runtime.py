@@ -15,6 +15,7 @@ from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric.utils import Metric
 from verl.workers.utils.padding import left_right_2_no_padding
+from verl_standins import EngineWorkerGroup, aggregate_mini_batch_metrics, gather_by_key
 
 from graft_exp.algorithms import graft_policy_loss, sgt_nll_loss
 from graft_exp.backends.verl import batch as vb
@@ -28,7 +29,6 @@ from graft_exp.backends.verl.config import (
 from graft_exp.backends.verl.loss import LossSpec, actor_loss
 from graft_exp.backends.verl.runtime import VerlModel, scoped_job_id, scoped_zmq_handle
 from graft_exp.tiny.models import ASSETS
-from verl_standins import EngineWorkerGroup, aggregate_mini_batch_metrics, gather_by_key
 
 torch.set_num_threads(1)
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

@@ -201,7 +201,7 @@ class EngineWorkerGroup:
     def _with_defaults(self, ranks: list[TensorDict], defaults: dict) -> None:
         for rank in ranks:
             for key, value in defaults.items():
-                if key not in rank.keys():
+                if key not in rank.keys():  # noqa: SIM118 (TensorDict's `in` does not look up keys)
                     tu.assign_non_tensor(rank, **{key: value})
             tu.assign_non_tensor(rank, sp_size=1, dp_size=self.world_size)
 

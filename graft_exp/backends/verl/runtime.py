@@ -44,9 +44,9 @@ import ray
 import torch
 from omegaconf import DictConfig
 from verl import DataProto
-from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.experimental.agent_loop import AgentLoopManager
+from verl.protocol import pad_dataproto_to_divisor
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from verl.utils import tensordict_utils as tu
@@ -110,7 +110,7 @@ def offset_replica_class(base: type, offset: int) -> type:
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
     if not issubclass(base, vLLMReplica):
-        raise ValueError(f"graft_exp's verl backend runs vLLM rollouts; got {base.__name__}")
+        raise TypeError(f"graft_exp's verl backend runs vLLM rollouts; got {base.__name__}")
 
     class OffsetReplica(base):
         def __init__(self, *args, **kwargs):
