@@ -59,9 +59,9 @@ WORKER_MEMORY_BYTES = 4 << 30
 # hundred ms each on a loaded node); a fresh worker pays them before it reports ready, not inside the
 # timeout of some answer.
 WARM_UP = (("1", "1"), ("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "\\sqrt{12}"), ("(1,2)", "(1, 2)"),
-            ("x \\in [2,5)", "[2,5)"), ("2 \\le x < 5", "[2,5)"), ("x=5", "5"), ("2x+3", "y=2x+3"),
-            ("\\{1,2\\}", "2,1"), ("(x+2)(x+5)", "x^2+7x+10"), ("\\text{(C)}", "C"), ("0.785", "\\frac{\\pi}{4}"),
-            ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"))
+           ("x \\in [2,5)", "[2,5)"), ("2 \\le x < 5", "[2,5)"), ("x=5", "5"), ("2x+3", "y=2x+3"),
+           ("\\{1,2\\}", "2,1"), ("(x+2)(x+5)", "x^2+7x+10"), ("\\text{(C)}", "C"), ("0.785", "\\frac{\\pi}{4}"),
+           ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"))
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
 _TRAILING_PERCENT = re.compile(r"\s*\\?%\s*$")
