@@ -32,19 +32,20 @@ def benchmark_file(bench: str) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which GPUs of the node a model's worker group owns (split resource pools)."""
+    """Which GPUs of each node a model's worker group owns (split resource pools)."""
 
-    gpus: int              # GPUs of this model's pool (FSDP world size)
+    gpus: int              # GPUs of this model's pool on each node (FSDP world size: gpus x nnodes)
     rollout_tp: int        # vLLM tensor parallelism
     nnodes: int = 1
 
     @property
     def rollout_replicas(self) -> int:
-        return self.gpus // self.rollout_tp
+        return self.gpus * self.nnodes // self.rollout_tp
 
 
 def placement(cfg: DictConfig) -> Placement:
-    """Split the pair's GPUs into one pool per model (both models run, co-trained or independently)."""
+    """Split each node's GPUs (``pair.gpus``) into one pool per model (both models run, co-trained or
+    independently); with ``backend.nnodes`` > 1 every pool spans every node of the job's Ray cluster."""
     per_model = int(cfg.backend.gpus_per_model)
     if 2 * per_model > int(cfg.pair.gpus):
         raise ValueError(
@@ -53,7 +54,10 @@ def placement(cfg: DictConfig) -> Placement:
     tp = int(cfg.backend.rollout_tp)
     if per_model % tp:
         raise ValueError(f"backend.gpus_per_model={per_model} is not a multiple of backend.rollout_tp={tp}")
-    return Placement(gpus=per_model, rollout_tp=tp)
+    nnodes = int(cfg.backend.nnodes)
+    if nnodes < 1:
+        raise ValueError(f"backend.nnodes={nnodes}: a job runs on at least one node")
+    return Placement(gpus=per_model, rollout_tp=tp, nnodes=nnodes)
 
 
 def model_path(cfg: DictConfig, role: str) -> str:

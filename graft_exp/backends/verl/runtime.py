@@ -284,10 +284,18 @@ class VerlModel:
         return load_checkpoint(self.wg, root)
 
 
-def start_models(models: list[VerlModel], with_ref: bool) -> None:
-    """One resource pool per model on the node, then each model's stack (replica ranks kept disjoint)."""
-    manager = ResourcePoolManager(resource_pool_spec={f"graft_{m.role}": [m.gpus] for m in models}, mapping={})
+def resource_pools(models: list[VerlModel]) -> ResourcePoolManager:
+    """One resource pool per model with its GPUs on every node of the job (verl's spec: GPUs per node)."""
+    spec = {f"graft_{m.role}": [int(m.config.trainer.n_gpus_per_node)] * int(m.config.trainer.nnodes)
+            for m in models}
+    manager = ResourcePoolManager(resource_pool_spec=spec, mapping={})
     manager.create_resource_pool()
+    return manager
+
+
+def start_models(models: list[VerlModel], with_ref: bool) -> None:
+    """Each model's pool (``resource_pools``), then its stack (replica ranks kept disjoint)."""
+    manager = resource_pools(models)
     offset = 0
     for model in models:
         model.start(manager.resource_pool_dict[f"graft_{model.role}"], offset, with_ref)
