@@ -62,6 +62,8 @@ def main(cfg: DictConfig) -> None:
         job.finish("FAILED")
         raise
     job.finish("FINISHED")
+    if HydraConfig.get().mode == RunMode.RUN:   # a multirun prints it once, at its end
+        log.info(tracking.compare_hint(cfg.tracking.uri, job.client.get_run(job.run_id).info.experiment_id))
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ class FailureMonitor(threading.Thread):
 # The launching process's monitor lives outside the callback: Hydra's submitit launcher pickles
 # the callbacks into every job, and a thread cannot be pickled.
 _monitors: list[FailureMonitor] = []
+_experiments: dict[tuple[str, str], str] = {}   # (store, experiment name) -> id, for the hint at the end
 
 
 class LaunchCallback(Callback):
@@ -207,7 +208,7 @@ class LaunchCallback(Callback):
         stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
         try:
             for uri, experiment in sorted(stores):
-                tracking.ensure_store(uri, experiment)
+                _experiments[(uri, experiment)] = tracking.ensure_store(uri, experiment)
         except tracking.TrackingError as err:
             fail_before_launch(f"nothing launched: {err}")
         missing_logs = missing_stored_logs(jobs, bool(config.cluster.parallel))
@@ -240,6 +241,9 @@ class LaunchCallback(Callback):
             monitor = _monitors.pop()
             monitor.stop.set()
             monitor.poll()   # the last word on every job, before Hydra's own summary
+        for (uri, _), experiment_id in sorted(_experiments.items()):
+            log.info(tracking.compare_hint(uri, experiment_id))
+        _experiments.clear()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if job_return.status == JobStatus.FAILED and os.environ.get("SUBMITIT_FOLDER"):
