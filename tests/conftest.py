@@ -1,4 +1,7 @@
 import os
+import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
@@ -6,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir, initialize_config_module  # noqa: F401  (re-exported for tests)
 from hydra.core.global_hydra import GlobalHydra
 from mlflow.tracking import MlflowClient
+from private_slurm import PrivateSlurm, why_not_startable
 
 from graft_exp.config import register_schemas
 
@@ -35,3 +39,80 @@ def store_template(request) -> Path:
         MlflowClient(f"sqlite:///{tmp}").search_experiments()
         tmp.replace(db)
     return db
+
+
+# --- Slurm: the session's own cluster; a real one only when asked ------------------------------------
+# The service tests never submit to a Slurm they did not start: `sinfo` answering on a login node is the
+# site's cluster, not ours. They start a private cluster (tests/private_slurm.py) or, with
+# GRAFT_TEST_SLURM_PARTITION set, run the tests that are safe there on that partition of the cluster the
+# environment points to.
+REAL_SLURM = "GRAFT_TEST_SLURM_PARTITION"
+
+
+@dataclass(frozen=True)
+class SlurmTarget:
+    """Where the Slurm tests submit: ``private`` (this session's cluster) or an opted-in real partition."""
+
+    private: PrivateSlurm | None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+
+    @property
+    def launcher_overrides(self) -> list[str]:
+        """Hydra overrides that send ``cluster=slurm`` jobs to the opted-in partition/account/QOS."""
+        keys = {"partition": self.partition, "account": self.account, "qos": self.qos}
+        return [f"hydra.launcher.{k}={v}" for k, v in keys.items() if v]
+
+    @property
+    def sbatch_args(self) -> list[str]:
+        flags = {"--partition": self.partition, "--account": self.account, "--qos": self.qos}
+        return [f"{k}={v}" for k, v in flags.items() if v]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    partition = os.environ.get(REAL_SLURM)
+    if partition:
+        yield _real_slurm(partition, tmp_path_factory.getbasetemp())
+        return
+    reason = why_not_startable()
+    if reason:
+        pytest.skip(f"no private Slurm cluster: {reason}. The tests never fall back to a Slurm already "
+                    f"running here; set {REAL_SLURM} (README) to run the safe ones on a real cluster")
+    cluster = PrivateSlurm(tmp_path_factory.mktemp("slurm"))
+    with pytest.MonkeyPatch.context() as env:
+        # Settings of an enclosing job or a site profile (SBATCH_PARTITION, SLURM_JOB_ID, ...) would
+        # steer or confuse submissions to the private cluster.
+        for key in os.environ:
+            if key.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "SQUEUE_")):
+                env.delenv(key)
+        env.setenv("SLURM_CONF", str(cluster.conf))
+        cluster.start()
+        try:
+            yield SlurmTarget(cluster)
+        finally:
+            cluster.stop()
+
+
+def _real_slurm(partition: str, basetemp: Path) -> SlurmTarget:
+    if shutil.which("sbatch") is None:
+        pytest.fail(f"{REAL_SLURM}={partition} asks for a real cluster, but sbatch is not on PATH")
+    answer = subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%P"], capture_output=True, text=True,
+                            check=False)
+    if answer.returncode or not answer.stdout.strip():
+        pytest.fail(f"{REAL_SLURM}={partition}: sinfo does not know this partition: {answer.stderr.strip()}")
+    if str(basetemp.resolve()).startswith("/tmp/"):
+        pytest.fail(f"{REAL_SLURM} is set but the test directories are under {basetemp}, which compute nodes "
+                    "do not see: run pytest with --basetemp=<a directory on a shared filesystem>")
+    return SlurmTarget(None, partition, os.environ.get("GRAFT_TEST_SLURM_ACCOUNT"),
+                       os.environ.get("GRAFT_TEST_SLURM_QOS"))
+
+
+@pytest.fixture(scope="session")
+def own_slurm(slurm) -> PrivateSlurm:
+    """This session's own cluster, for tests that reschedule, requeue or inspect the whole cluster."""
+    if slurm.private is None:
+        pytest.skip(f"runs only on the test session's own Slurm cluster ({REAL_SLURM} is set): it acts on "
+                    "the cluster itself, beyond the jobs it submits")
+    return slurm.private

@@ -1,9 +1,12 @@
-"""Real Slurm (a one-node cluster started by .ci/start_slurm.sh): a tiny 2-job sweep through
-``cluster=slurm`` into MLflow, and a job requeued mid-run that ends as one FINISHED run with every
-step exactly once. The jobs are real ``python -m graft_exp`` jobs on the tiny pair, kept short."""
+"""Real Slurm: the test session's own two-node cluster (``slurm`` fixture, tests/private_slurm.py), or an
+opted-in real partition for the tests that are safe there. A tiny 2-job sweep through ``cluster=slurm``
+into MLflow, one job per node; a job requeued mid-run that ends as one FINISHED run with every step
+exactly once; a failed job; run state following the queue; and the rule itself: with a decoy "site"
+Slurm answering on this machine, the suite's jobs land only on its own cluster. The jobs are real
+``python -m graft_exp`` jobs on the tiny pair, kept short."""
 
+import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from private_slurm import PrivateSlurm
 
 from graft_exp import scheduler
 from graft_exp.launching import status
@@ -25,22 +29,7 @@ EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exc
 # A few steps of the tiny pair, one validation, one final evaluation: each job takes seconds.
 SHORT = ["train.max_steps=4", "train.batch_prompts=4", "train.minibatch_prompts=2", "eval.val_every=4",
          "eval.runs=1", "eval.samples=1", "eval.max_problems=4", "backend.progress=false",
-         "backend.checkpoint_every=1"]
-
-
-def slurm_up() -> bool:
-    done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, check=False)
-    return done.returncode == 0 and bool(re.search(r"idle|mix|alloc", done.stdout))
-
-
-@pytest.fixture(scope="session")
-def slurm():
-    """The one-node cluster: used as it is when it answers, started (as root) otherwise."""
-    if shutil.which("sbatch") is None:
-        pytest.skip("Slurm is not installed (no sbatch); CI installs slurm-wlm and munge in .ci/run")
-    if not slurm_up():
-        subprocess.run([str(ROOT / ".ci" / "start_slurm.sh")], check=True, timeout=300)
-    assert slurm_up(), "the one-node Slurm cluster did not come up (see .ci/start_slurm.sh)"
+         "train.save_every=1"]
 
 
 @pytest.fixture
@@ -56,16 +45,27 @@ def sweep_file(path: Path, methods: list[str], seed: int = 0) -> Path:
     return path
 
 
-def sweep_command(path: Path, workdir: Path, *extra: str) -> list[str]:
+def sweep_command(path: Path, workdir: Path, slurm, *extra: str) -> list[str]:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     return [sys.executable, "-m", "graft_exp.sweep", str(path), "--out", str(workdir / "multirun"),
             "--poll", "2", "cluster=slurm", "cluster.poll_s=2", f"tracking.uri={uri}",
-            f"checkpoint_root={workdir / 'checkpoints'}", *SHORT, *extra]
+            f"checkpoint_root={workdir / 'checkpoints'}", *slurm.launcher_overrides, *SHORT, *extra]
 
 
-def run_sweep(path: Path, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(sweep_command(path, workdir), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+def run_sweep(path: Path, workdir: Path, slurm, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(path, workdir, slurm), capture_output=True, text=True, timeout=timeout,
+                          check=False, env=env)
+
+
+def completed_jobs(cluster: PrivateSlurm) -> dict[str, dict[str, str]]:
+    """The cluster's record of finished jobs (jobcomp/filetxt), by id (``12_0`` for array tasks)."""
+    record = cluster.root / "log" / "jobcomp.txt"
+    jobs = {}
+    for line in record.read_text().splitlines() if record.exists() else []:
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        key = f"{fields['ArrayJobId']}_{fields['ArrayTaskId']}" if "ArrayJobId" in fields else fields["JobId"]
+        jobs[key] = fields
+    return jobs
 
 
 def runs_by_key(uri: str) -> dict[str, list]:
@@ -85,7 +85,7 @@ def step_counts(client: MlflowClient, run) -> dict[str, Counter]:
 def test_two_job_sweep_through_slurm(slurm, workdir, record_property):
     path = sweep_file(workdir / "slurm2.yaml", ["graft", "grpo_n8"])
     started = time.monotonic()
-    done = run_sweep(path, workdir, timeout=900)
+    done = run_sweep(path, workdir, slurm, timeout=900)
     wall = time.monotonic() - started
     record_property("slurm_2_job_sweep_wall_s", round(wall, 1))
     print(f"\n2-job tiny sweep through cluster=slurm: {wall:.1f} s wall")
@@ -108,8 +108,17 @@ def test_two_job_sweep_through_slurm(slurm, workdir, record_property):
             assert model_run.info.status == "FINISHED"
             assert model_run.data.tags["mlflow.parentRunId"] == job_run.info.run_id
 
+    if slurm.private is not None:
+        # The jobs ran on this session's cluster, one per node (CR_LLN; two "hosts" when namespaces exist).
+        record = completed_jobs(slurm.private)
+        ids = [runs[sj.key][0].data.tags["graft.slurm_job_id"] for sj in sweep.jobs]
+        assert all(record[i]["JobState"] == "COMPLETED" for i in ids), record
+        nodes = {record[i]["NodeList"] for i in ids}
+        assert nodes == {n.name for n in slurm.private.members}, record
+        print(f"jobs {ids} ran on nodes {sorted(nodes)} of cluster {slurm.private.cluster}")
+
     # Everything is finished now: a second launch submits nothing.
-    again = run_sweep(path, workdir, timeout=300)
+    again = run_sweep(path, workdir, slurm, timeout=300)
     assert again.returncode == 0 and "launching" not in again.stdout
     assert "2 jobs: 2 finished" in again.stdout
 
@@ -139,7 +148,7 @@ def release_when_held(slurm_id: str, proc: subprocess.Popen) -> None:
     subprocess.run(["scontrol", "update", f"JobId={slurm_id}", "StartTime=now"], check=True)
 
 
-def test_requeued_job_resumes_its_run_with_each_step_once(slurm, workdir, record_property):
+def test_requeued_job_resumes_its_run_with_each_step_once(slurm, own_slurm, workdir, record_property):
     """Interrupted twice: preempted (submitit's USR2 handler checkpoints and requeues the job itself),
     then requeued from outside (`scontrol requeue` kills it). The run stays RUNNING in between and
     ends as one FINISHED run in which every step is recorded once."""
@@ -147,7 +156,7 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, workdir, record
     overrides = [f"train.max_steps={steps}", "eval.val_every=8"]
     path = sweep_file(workdir / "requeue.yaml", ["graft"], seed=5)
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    proc = subprocess.Popen(sweep_command(path, workdir, *overrides), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(sweep_command(path, workdir, slurm, *overrides), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         client = MlflowClient(uri)
@@ -199,7 +208,7 @@ def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir
     """A stored-trajectory job without the GRPO log it replays fails in the backend: the sweep names
     it with its log while running, Slurm records FAILED (not COMPLETED) and the run is FAILED."""
     path = sweep_file(workdir / "failing.yaml", ["graft_stored"])
-    done = run_sweep(path, workdir, timeout=900)
+    done = run_sweep(path, workdir, slurm, timeout=900)
     assert done.returncode == 1
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     (sj,) = plan(path, [f"tracking.uri={uri}", *SHORT]).jobs
@@ -216,7 +225,8 @@ def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir
 def test_state_of_a_run_follows_its_slurm_job(slurm, workdir):
     """RUNNING in MLflow is trusted only while the job is in Slurm's queue: held -> pending,
     gone -> crashed."""
-    held = subprocess.run(["sbatch", "--hold", "--parsable", "--wrap", "true", "-o", str(workdir / "out")],
+    held = subprocess.run(["sbatch", "--hold", "--parsable", *slurm.sbatch_args, "--wrap", "true",
+                           "-o", str(workdir / "out")],
                           capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     try:
         run = {"status": "RUNNING", "slurm_job_id": held, "log": "held.log"}
@@ -226,3 +236,23 @@ def test_state_of_a_run_follows_its_slurm_job(slurm, workdir):
         assert status.run_state(run, scheduler.slurm_queue()) == (status.CRASHED, "held.log")
     finally:
         subprocess.run(["scancel", held], check=False)
+
+
+def test_suite_never_submits_to_a_slurm_it_did_not_start(own_slurm, tmp_path):
+    """A decoy "site" cluster answers here, and SLURM_CONF points to it (as on a login node); a pytest
+    session of the 2-job sweep test still runs its jobs on a cluster of its own (its assertions check
+    that): the decoy's queue and its record of finished jobs stay empty, and it never saw a submission."""
+    decoy = PrivateSlurm(tmp_path / "site", nodes=1, gpus=0, netns=False).start()
+    try:
+        assert decoy.run("sinfo", "-h", "-o", "%T").stdout.split() == ["idle"]     # the site answers
+        inner = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}",
+             f"{Path(__file__)}::test_two_job_sweep_through_slurm"],
+            env={**os.environ, "SLURM_CONF": str(decoy.conf)}, cwd=ROOT, capture_output=True, text=True,
+            timeout=900, check=False)
+        assert inner.returncode == 0 and "1 passed" in inner.stdout, inner.stdout[-4000:] + inner.stderr[-2000:]
+        assert decoy.run("squeue", "-h").stdout == ""
+        assert completed_jobs(decoy) == {}
+        assert "submit_batch_job" not in (decoy.root / "log" / "slurmctld.log").read_text()
+    finally:
+        decoy.stop()

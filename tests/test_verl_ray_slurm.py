@@ -1,58 +1,147 @@
 """Ray-on-Slurm launch for verl jobs: the commands a multi-node allocation runs, the sbatch script
-(checked by bash itself) and the node list expansion by Slurm's own scontrol."""
+(checked by bash itself), the node list expansion by Slurm's own scontrol, and the script run for real on
+the test session's two-node Slurm cluster (two network namespaces): a Ray head on node 1, a worker on
+node 2, and the verl backend's resource pools placed on both, up to where a GPU would be needed."""
 
+import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from graft_exp.backends.verl.ray_slurm import RayCluster, sbatch_script
 
 NODES = ("gpu01", "gpu02", "gpu03")
+PROBE = Path(__file__).resolve().parent / "verl_placement_probe.py"
 
 
 def test_head_and_worker_commands():
-    cluster = RayCluster(NODES, gpus_per_node=4, cpus_per_node=32)
-    assert cluster.srun_head() == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu01", "ray", "start", "--head",
-                                   "--port=6379", "--num-gpus=4", "--num-cpus=32", "--disable-usage-stats", "--block"]
-    assert cluster.srun_workers() == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--exclude=gpu01",
-                                      "ray", "start", "--address=gpu01:6379", "--num-gpus=4", "--num-cpus=32",
-                                      "--disable-usage-stats", "--block"]
+    cluster = RayCluster(NODES, gpus_per_node=4, cpus_per_node=32, head_ip="10.0.0.1", temp_dir="/tmp/r1")
+    # srun binds each step explicitly: Slurm >= 22.05 does not hand the job's --cpus-per-task to srun.
+    step = ["--ntasks-per-node=1", "--cpus-per-task=32", "--gpus-per-node=4", "--mem=0"]
+    ray_node = ["--num-gpus=4", "--num-cpus=32", "--temp-dir=/tmp/r1", "--disable-usage-stats", "--block"]
+    assert cluster.srun_head() == ["srun", "--nodes=1", "--ntasks=1", *step, "--nodelist=gpu01", "ray", "start",
+                                   "--head", "--port=6379", "--node-ip-address=10.0.0.1", *ray_node]
+    assert cluster.srun_workers() == ["srun", "--nodes=2", "--ntasks=2", *step, "--exclude=gpu01", "ray", "start",
+                                      "--address=10.0.0.1:6379", *ray_node]
     assert RayCluster(NODES[:1], 4, 32).srun_workers() == []
+    assert "--gpus-per-node=0" not in RayCluster(NODES, 0, 8).srun_head()     # a CPU step asks for no GPU
 
 
-def test_wait_command_counts_all_gpus():
-    probe = RayCluster(NODES, gpus_per_node=4, cpus_per_node=8).wait_command(timeout_s=5)
-    assert probe[0] == sys.executable and "<12" in probe[2] and "gpu01:6379" in probe[2]
-    compile(probe[2], "probe", "exec")
+def test_wait_command_waits_for_every_node():
+    cluster = RayCluster(NODES, gpus_per_node=4, cpus_per_node=8)
+    probe = cluster.wait_command(timeout_s=5)
+    assert probe[:4] == [sys.executable, "-m", "graft_exp.backends.verl.ray_slurm", "--wait-for"]
+    assert probe[4:] == ["gpu01:6379", "--nodes", "3", "--cpus-per-node", "8", "--gpus-per-node", "4",
+                         "--timeout", "5"]
+    assert cluster.wait_command(1)[6] == "1"
+
+
+def test_wait_for_a_head_that_never_answers_fails_saying_so():
+    done = subprocess.run([sys.executable, "-m", "graft_exp.backends.verl.ray_slurm", "--wait-for", "127.0.0.1:9",
+                           "--nodes", "1", "--timeout", "2"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 1 and "the Ray head at 127.0.0.1:9 did not answer in 2 s" in done.stderr
 
 
 def test_sbatch_script(tmp_path):
     script = sbatch_script(2, 4, 32, ["pair=pair1", "method=graft", "seed=0"], partition="gpu", account="proj",
                            setup=["module load cuda"])
     lines = script.splitlines()
-    for directive in ("--nodes=2", "--gpus-per-node=4", "--ntasks-per-node=1", "--partition=gpu",
-                      "--account=proj", "--requeue", "--signal=B:USR2@120"):
+    for directive in ("--nodes=2", "--gpus-per-node=4", "--ntasks-per-node=1", "--cpus-per-task=32", "--mem=0",
+                      "--partition=gpu", "--account=proj", "--requeue", "--signal=B:USR2@120"):
         assert f"#SBATCH {directive}" in lines
     assert "module load cuda" in lines
-    assert lines[-2] == "python -m graft_exp pair=pair1 method=graft seed=0 backend=verl backend.ray_address=auto &"
-    assert lines.index('eval "$RAY_WAIT"') < lines.index(lines[-2])
+    # The training job's pools span both nodes: backend.nnodes and the GPUs Ray has on each node.
+    assert lines[-2] == ("python -m graft_exp pair=pair1 method=graft seed=0 backend=verl backend.ray_address=auto "
+                         "backend.nnodes=2 pair.gpus=4 &")
+    order = [lines.index(x) for x in ('eval "$RAY_HEAD" &', 'eval "$RAY_WAIT_HEAD"',
+                                      'if [ -n "$RAY_WORKERS" ]; then eval "$RAY_WORKERS" & fi', 'eval "$RAY_WAIT"')]
+    assert order == sorted(order) and order[-1] < len(lines) - 2
     path = tmp_path / "job.sh"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's scontrol")
-def test_emitted_commands_for_an_allocation(tmp_path):
+def slurm_conf() -> dict[str, str]:
+    return {"SLURM_CONF": os.environ["SLURM_CONF"]} if "SLURM_CONF" in os.environ else {}
+
+
+@pytest.mark.service
+def test_emitted_commands_for_an_allocation(slurm, tmp_path):
+    """Inside an allocation (its node list expanded by scontrol, which needs a Slurm configuration)."""
     env_script = tmp_path / "emit.sh"
     env_script.write_text(
         f'eval "$({sys.executable} -m graft_exp.backends.verl.ray_slurm --emit-ray-commands '
         '--gpus-per-node 4 --cpus-per-node 16)"\n'
         'printf "%s\\n" "$RAY_HEAD" "$RAY_WORKERS" "$RAY_HEAD_ADDRESS"\n')
+    # The head's address is its name resolved on the head (the batch host): here, localhost.
     out = subprocess.run(["bash", str(env_script)], capture_output=True, text=True, check=True,
-                         env={"SLURM_JOB_NODELIST": "gpu[01-03]", "PATH": "/usr/bin:/bin"}).stdout.splitlines()
-    assert out[0].startswith("srun --nodes=1 --ntasks=1 --nodelist=gpu01 ray start --head")
-    assert out[1].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --exclude=gpu01 ray start "
-                             "--address=gpu01:6379")
-    assert out[2] == "gpu01:6379"
+                         env={"SLURM_JOB_NODELIST": "localhost,gpu[02-03]", "SLURM_JOB_ID": "77",
+                              "PATH": "/usr/bin:/bin", **slurm_conf()},
+                         ).stdout.splitlines()
+    assert re.match(r"srun --nodes=1 --ntasks=1 .* --nodelist=localhost ray start --head --port=6379 "
+                    r"--node-ip-address=127\.0\.0\.1 .*--temp-dir=/tmp/graft-ray-77", out[0])
+    assert re.match(r"srun --nodes=2 --ntasks=2 .* --exclude=localhost ray start --address=127\.0\.0\.1:6379 ", out[1])
+    assert out[2] == "127.0.0.1:6379"
+
+
+@pytest.mark.service
+@pytest.mark.slow
+def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp_path, record_property):
+    """``sbatch_script(nodes=2, ...)`` on two Slurm nodes that are separate network hosts: the Ray head on node
+    1, the worker on node 2, each with the CPUs and GPUs Slurm gave it; then, in place of the training job
+    (same overrides), tests/verl_placement_probe.py runs the verl backend up to its first GPU need: both
+    models' resource pools are placed, across both nodes, on every GPU of the allocation."""
+    if not own_slurm.multi_host:
+        pytest.skip("two Slurm nodes as separate hosts need network namespaces (ip netns), unavailable here")
+    gpus, cpus = 2, 6      # per node; verl's bundles ask Ray for 3 CPUs per GPU
+    overrides = ["pair=pair1", "method=graft", "backend.gpus_per_model=1", "backend.rollout_tp=1",
+                 f"checkpoint_root={tmp_path / 'checkpoints'}"]
+    script = sbatch_script(2, gpus, cpus, overrides, time="00:15:00",
+                           setup=[f"export PATH={Path(sys.executable).parent}:$PATH"]).splitlines()
+    train = script[-2]
+    assert train.startswith("python -m graft_exp ") and " backend.nnodes=2 pair.gpus=2 " in train
+    script[-2] = train.replace("python -m graft_exp", f"python {PROBE}", 1)
+    (tmp_path / "job.sh").write_text("\n".join(script) + "\n")
+    out = tmp_path / "job.out"
+    started = time.monotonic()
+    job = own_slurm.run("sbatch", "--parsable", "-o", str(out), str(tmp_path / "job.sh")).stdout.strip()
+    try:
+        deadline = time.monotonic() + 600
+        while own_slurm.run("squeue", "-h", "-j", job, check=False).stdout.strip():
+            assert time.monotonic() < deadline, f"the Ray job did not finish in 600 s:\n{out.read_text()[-4000:]}"
+            time.sleep(2)
+    finally:
+        own_slurm.run("scancel", job, check=False)
+        shutil.rmtree(f"/tmp/graft-ray-{job}", ignore_errors=True)
+    wall = time.monotonic() - started
+    log = out.read_text()
+    record_property("ray_two_node_job_wall_s", round(wall, 1))
+    print(f"\ntwo-node Ray-on-Slurm job up to the verl placement: {wall:.1f} s")
+    state = own_slurm.run("scontrol", "show", "job", job).stdout
+    assert "JobState=COMPLETED" in state, log[-4000:]
+    (line,) = [x for x in log.splitlines() if x.startswith("PLACEMENT ")]
+    placement = json.loads(line.removeprefix("PLACEMENT "))
+
+    # Two Ray nodes at the two hosts' addresses, the head on the first, each with its Slurm share.
+    nodes = placement["nodes"]
+    by_ip = {n["ip"]: n for n in nodes.values()}
+    assert set(by_ip) == {m.addr for m in own_slurm.members}
+    assert by_ip[own_slurm.members[0].addr]["head"] and not by_ip[own_slurm.members[1].addr]["head"]
+    assert all((n["CPU"], n["GPU"]) == (cpus, gpus) for n in nodes.values()), nodes
+    assert f"NumCPUs={2 * cpus} " in state and "NumNodes=2 " in state
+
+    # verl's pools (one per model, 1 GPU on each node each): bundles on both nodes, no GPU left idle.
+    pools = placement["pools"]
+    assert set(pools) == {"graft_A", "graft_B"}
+    for groups in pools.values():
+        assert len(groups) == 2 and all(len(g) == 1 for g in groups), pools
+    used = [node for groups in pools.values() for g in groups for node in g.values()]
+    assert set(used) == set(nodes) and len(used) == 2 * gpus
+    assert placement["free"].get("GPU", 0) == 0

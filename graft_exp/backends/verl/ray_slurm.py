@@ -4,9 +4,9 @@ One node (the paper's setting, and what ``cluster=slurm`` submits): the job proc
 with the allocation's GPUs (``start_local_ray``); nothing else is needed.
 
 Several nodes: ``python -m graft_exp.backends.verl.ray_slurm`` writes (or submits) an sbatch script that
-starts a Ray head on the first node and one Ray worker on every other node with ``srun``, waits until all
-GPUs have joined, and runs one training job on the head node against that cluster
-(``backend.ray_address=auto``)::
+starts a Ray head on the first node and one Ray worker on every other node with ``srun``, waits until every
+node has joined with its GPUs, and runs one training job on the head node against that cluster
+(``backend.ray_address=auto``, ``backend.nnodes=<nodes>``: each model's resource pool spans every node)::
 
     python -m graft_exp.backends.verl.ray_slurm --nodes 2 --gpus-per-node 4 --partition gpu \\
         --time 2-00:00:00 --submit -- pair=pair1 method=graft seed=0
@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 RAY_PORT = 6379
+MODULE = "graft_exp.backends.verl.ray_slurm"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class RayCluster:
     gpus_per_node: int
     cpus_per_node: int
     port: int = RAY_PORT
+    head_ip: str | None = None      # the head's address as the other nodes reach it (default: its name)
+    temp_dir: str | None = None     # Ray's session files on every node (short: Unix socket paths)
 
     @property
     def head(self) -> str:
@@ -39,36 +44,72 @@ class RayCluster:
 
     @property
     def address(self) -> str:
-        return f"{self.head}:{self.port}"
+        return f"{self.head_ip or self.head}:{self.port}"
+
+    def _node_options(self) -> list[str]:
+        temp = [f"--temp-dir={self.temp_dir}"] if self.temp_dir else []
+        return [f"--num-gpus={self.gpus_per_node}", f"--num-cpus={self.cpus_per_node}", *temp,
+                "--disable-usage-stats", "--block"]
 
     def head_command(self) -> list[str]:
-        return ["ray", "start", "--head", f"--port={self.port}",
-                f"--num-gpus={self.gpus_per_node}", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats",
-                "--block"]
+        ip = [f"--node-ip-address={self.head_ip}"] if self.head_ip else []
+        return ["ray", "start", "--head", f"--port={self.port}", *ip, *self._node_options()]
 
     def worker_command(self) -> list[str]:
-        return ["ray", "start", f"--address={self.address}", f"--num-gpus={self.gpus_per_node}",
-                f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats", "--block"]
+        return ["ray", "start", f"--address={self.address}", *self._node_options()]
+
+    def _srun(self, nodes: int) -> list[str]:
+        """One task per node holding the node's share of the allocation. Explicit, because since Slurm
+        22.05 srun no longer inherits the job's --cpus-per-task, and a step sees no GPU it did not ask for."""
+        gpus = [f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else []
+        return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+                f"--cpus-per-task={self.cpus_per_node}", *gpus, "--mem=0"]
 
     def srun_head(self) -> list[str]:
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.head}", *self.head_command()]
+        return [*self._srun(1), f"--nodelist={self.head}", *self.head_command()]
 
     def srun_workers(self) -> list[str]:
         """One Ray worker per non-head node (empty for a one-node allocation)."""
         others = len(self.nodes) - 1
         if not others:
             return []
-        return ["srun", f"--nodes={others}", f"--ntasks={others}", "--ntasks-per-node=1",
-                f"--exclude={self.head}", *self.worker_command()]
+        return [*self._srun(others), f"--exclude={self.head}", *self.worker_command()]
 
-    def wait_command(self, timeout_s: int = 600) -> list[str]:
-        """Block until the cluster shows every node's GPUs (or fail after ``timeout_s``)."""
-        want = self.gpus_per_node * len(self.nodes)
-        probe = (f"import ray,time,sys; ray.init(address='{self.address}'); t=time.time()\n"
-                 f"while ray.cluster_resources().get('GPU',0)<{want}:\n"
-                 f"    time.sleep(2)\n"
-                 f"    if time.time()-t>{timeout_s}: sys.exit('Ray cluster never reached {want} GPUs')")
-        return [sys.executable, "-c", probe]
+    def wait_command(self, nodes: int | None = None, timeout_s: int = 600) -> list[str]:
+        """Block until ``nodes`` (default: all) nodes have joined with their CPUs and GPUs, or fail."""
+        nodes = len(self.nodes) if nodes is None else nodes
+        return [sys.executable, "-m", MODULE, "--wait-for", self.address, "--nodes", str(nodes),
+                "--cpus-per-node", str(self.cpus_per_node), "--gpus-per-node", str(self.gpus_per_node),
+                "--timeout", str(timeout_s)]
+
+
+def wait_for_ray(address: str, nodes: int, cpus_per_node: int, gpus_per_node: int, timeout_s: float) -> None:
+    """Return once the Ray cluster at ``address`` has ``nodes`` live nodes, each with its CPUs and GPUs."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    host, port = address.rsplit(":", 1)
+    while True:     # the head's GCS port answers first; ray.init would give up on a head still starting
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the Ray head at {address} did not answer in {timeout_s:.0f} s")
+            time.sleep(1)
+    ray.init(address=address, log_to_driver=False)
+    try:
+        while True:
+            alive = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+            ready = [r for r in alive if r.get("CPU", 0) >= cpus_per_node and r.get("GPU", 0) >= gpus_per_node]
+            if len(ready) >= nodes:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the Ray cluster at {address} has {len(ready)} of {nodes} nodes with "
+                                 f"{cpus_per_node} CPUs and {gpus_per_node} GPUs after {timeout_s:.0f} s: {alive}")
+            time.sleep(2)
+    finally:
+        ray.shutdown()
 
 
 def allocation_nodes(nodelist: str) -> tuple[str, ...]:
@@ -83,19 +124,21 @@ def sbatch_script(cluster_nodes: int, gpus_per_node: int, cpus_per_node: int, ov
     """An sbatch script that starts Ray across ``cluster_nodes`` nodes and runs one verl training job
     (``python -m graft_exp <overrides> backend=verl backend.ray_address=auto``) on the head node."""
     directives = [f"--job-name={job_name}", f"--nodes={cluster_nodes}", "--ntasks-per-node=1",
-                  f"--gpus-per-node={gpus_per_node}", f"--cpus-per-task={cpus_per_node}", f"--time={time}",
-                  "--requeue", "--signal=B:USR2@120"]
+                  f"--gpus-per-node={gpus_per_node}", f"--cpus-per-task={cpus_per_node}", "--mem=0",
+                  f"--time={time}", "--requeue", "--signal=B:USR2@120"]
     if partition:
         directives.append(f"--partition={partition}")
     if account:
         directives.append(f"--account={account}")
-    module = "graft_exp.backends.verl.ray_slurm"
-    train = ["python", "-m", "graft_exp", *overrides, "backend=verl", "backend.ray_address=auto"]
+    # Every pool spans every node: pair.gpus is what Ray has per node, backend.nnodes how many nodes.
+    train = ["python", "-m", "graft_exp", *overrides, "backend=verl", "backend.ray_address=auto",
+             f"backend.nnodes={cluster_nodes}", f"pair.gpus={gpus_per_node}"]
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail", *(setup or []),
              # The Ray commands of this allocation come from RayCluster (one source for tests and jobs).
-             (f'eval "$(python -m {module} --emit-ray-commands --gpus-per-node {gpus_per_node} '
+             (f'eval "$(python -m {MODULE} --emit-ray-commands --gpus-per-node {gpus_per_node} '
               f'--cpus-per-node {cpus_per_node} --port {port})"'),
-             'eval "$RAY_HEAD" &', "sleep 10", 'if [ -n "$RAY_WORKERS" ]; then eval "$RAY_WORKERS" & fi',
+             'eval "$RAY_HEAD" &', 'eval "$RAY_WAIT_HEAD"',
+             'if [ -n "$RAY_WORKERS" ]; then eval "$RAY_WORKERS" & fi',
              'eval "$RAY_WAIT"', 'export RAY_ADDRESS="$RAY_HEAD_ADDRESS"',
              # Slurm sends USR2 two minutes before the limit: requeue; the job resumes from its checkpoint
              # into the same MLflow run (same graft.run_key).
@@ -104,9 +147,13 @@ def sbatch_script(cluster_nodes: int, gpus_per_node: int, cpus_per_node: int, ov
 
 
 def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: int = RAY_PORT) -> str:
-    """Shell assignments (RAY_HEAD, RAY_WORKERS, RAY_WAIT, RAY_HEAD_ADDRESS) for the current allocation."""
-    cluster = RayCluster(allocation_nodes(os.environ["SLURM_JOB_NODELIST"]), gpus_per_node, cpus_per_node, port)
-    values = {"RAY_HEAD": shlex.join(cluster.srun_head()),
+    """Shell assignments (RAY_HEAD, RAY_WAIT_HEAD, RAY_WORKERS, RAY_WAIT, RAY_HEAD_ADDRESS) for the current
+    allocation. Run by the batch script, i.e. on the head node: the head's address is its own name
+    resolved there (as the other nodes resolve it), Ray's files go to a short per-job directory."""
+    nodes = allocation_nodes(os.environ["SLURM_JOB_NODELIST"])
+    cluster = RayCluster(nodes, gpus_per_node, cpus_per_node, port, head_ip=socket.gethostbyname(nodes[0]),
+                         temp_dir=f"/tmp/graft-ray-{os.environ['SLURM_JOB_ID']}")
+    values = {"RAY_HEAD": shlex.join(cluster.srun_head()), "RAY_WAIT_HEAD": shlex.join(cluster.wait_command(1)),
               "RAY_WORKERS": shlex.join(cluster.srun_workers()) if cluster.srun_workers() else "",
               "RAY_WAIT": shlex.join(cluster.wait_command()), "RAY_HEAD_ADDRESS": cluster.address}
     return "\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items())
@@ -140,8 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup", action="append", default=[], help="shell line run first (module load ...)")
     parser.add_argument("--submit", action="store_true", help="sbatch the script instead of printing it")
     parser.add_argument("--emit-ray-commands", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--wait-for", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=600, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the training job (after --)")
     args = parser.parse_args(argv)
+    if args.wait_for:
+        wait_for_ray(args.wait_for, args.nodes, args.cpus_per_node, args.gpus_per_node, args.timeout)
+        return 0
     if args.emit_ray_commands:
         print(ray_commands_for_allocation(args.gpus_per_node, args.cpus_per_node, args.port))
         return 0
