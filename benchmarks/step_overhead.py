@@ -19,9 +19,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from graft_exp import tracking
-from graft_exp.driver import Driver
 from graft_exp.backends.local import LocalBackend
 from graft_exp.config import register_schemas, validate
+from graft_exp.driver import Driver
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -11,7 +11,7 @@ and raises ``ConfigError`` naming the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -87,7 +87,7 @@ class PairConfig:
     data: str = MISSING               # math (prepare.py's Parquet) | tiny_arith (generated)
     benchmarks: list[str] = MISSING   # bench keys of val/<bench> and test/<bench>
     gpus: int = MISSING               # GPUs of one job (the paper: one 4-GPU node); 0 on CPU
-    train_size: Optional[int] = None  # tiny_arith: generated training prompts
+    train_size: int | None = None  # tiny_arith: generated training prompts
 
 
 @dataclass
@@ -98,7 +98,7 @@ class TrainConfig:
     minibatch_prompts: int = MISSING
     ppo_epochs: int = MISSING
     total_epochs: int = MISSING
-    max_steps: Optional[int] = None   # null: total_epochs over the training split
+    max_steps: int | None = None   # null: total_epochs over the training split
     optimizer: str = MISSING
     lr: float = MISSING
     lr_warmup_steps: int = MISSING
@@ -121,7 +121,7 @@ class EvalConfig:
 
     val_every: int = MISSING
     val_samples: int = MISSING
-    max_problems: Optional[int] = None   # problems per benchmark (null: all)
+    max_problems: int | None = None   # problems per benchmark (null: all)
     runs: int = MISSING
     samples: int = MISSING
     temperature: float = MISSING
@@ -135,7 +135,7 @@ class LocalBackendConfig:
     name: str = "local"
     device: str = "auto"              # auto | cpu | cuda
     progress: bool = True
-    threads: Optional[int] = 1        # torch CPU threads (null: torch's default)
+    threads: int | None = 1        # torch CPU threads (null: torch's default)
 
 
 @dataclass
@@ -153,7 +153,7 @@ class VerlBackendConfig:
     agent_workers: int = 8
     data_dir: str = MISSING
     model_dir: str = MISSING
-    ray_address: Optional[str] = None
+    ray_address: str | None = None
     nnodes: int = 1
     verl_overrides: list[str] = field(default_factory=list)
     progress: bool = True

@@ -40,7 +40,15 @@ from graft_exp.algorithms import (
 )
 from graft_exp.config import PEER_OF, ROLES
 from graft_exp.evaluation import AVG, BestCheckpoint, Generate, evaluate, final_evaluation, is_validation_step
-from graft_exp.exchange import ReceiverBatch, Scorer, assemble, peer_solved_frac, plan_step, rollout_metrics, select_prompts
+from graft_exp.exchange import (
+    ReceiverBatch,
+    Scorer,
+    assemble,
+    peer_solved_frac,
+    plan_step,
+    rollout_metrics,
+    select_prompts,
+)
 from graft_exp.objective import LossSpec
 from graft_exp.reward import rewards as verify_rewards
 from graft_exp.rollouts import Rollouts
@@ -53,10 +61,6 @@ MAX_GEN_BATCHES = 10
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read; the message names the file and the way out."""
-
-
-class StoredLogMissing(RuntimeError):
-    """graft_stored cannot find the peer's finished GRPO n=8 trajectory log."""
 
 
 # ---------------------------------------------------------------------------------------- backend
@@ -98,8 +102,8 @@ class Backend(Protocol):
     def devices(self, role: str) -> int:
         """The devices (GPUs; a CPU counts as one) model ``role`` holds while it works."""
 
-    def sample(self, role: str, problems: list, n: int, seed: int) -> Generation:
-        """n responses per problem at the training temperature."""
+    def sample(self, role: str, problems: list, n: int, seed: int, step: int) -> Generation:
+        """n responses per problem at the training temperature (``step``: the weights' version)."""
 
     def gather(self, role: str, parts: list[tuple[object, list[int]]]) -> object:
         """The backend data of the chosen groups of several draws, in order (DAPO refills)."""
@@ -121,14 +125,19 @@ class Backend(Protocol):
     def restore_best(self, role: str) -> None:
         """Load the best checkpoint of ``role`` for the final evaluation."""
 
-    def save(self, directory: Path) -> None:
-        """Every model's weights, optimiser and best weights into ``directory``."""
+    def save(self, directory: Path, step: int) -> None:
+        """Every model's weights and optimiser (and best weights, if kept in memory) into ``directory``."""
 
     def load(self, directory: Path) -> None:
         """The state ``save`` wrote."""
 
 
 # ---------------------------------------------------------------------------------------- seeds, data
+def total_steps(cfg: DictConfig, num_problems: int) -> int:
+    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split."""
+    return int(cfg.train.max_steps or cfg.train.total_epochs * num_problems // int(cfg.train.batch_prompts))
+
+
 def derive_seed(*parts) -> int:
     """A 31-bit seed from the run seed and a purpose (step, role, ...): reproducible and independent
     of everything that happened before, so a resumed job draws exactly what an uninterrupted one does."""
@@ -219,11 +228,10 @@ class Driver:
         self.cfg, self.job, self.method = cfg, job, cfg.method
         self.spec = LossSpec.from_method(cfg.method)
         self.root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
-        # The stored peer logs are looked up before any model run is opened: a missing one fails cleanly.
         stored = {}
         if self.method.source == "stored":
-            stored = {role: find_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
-                                            self.root / "stored" / cfg.pair[PEER_OF[role]]) for role in ROLES}
+            stored = {role: download_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
+                                                self.root / "stored" / cfg.pair[PEER_OF[role]]) for role in ROLES}
         runs = {role: tracking.open_model_run(cfg, job, role) for role in ROLES}
         # A co-trained pair needs both models even if one run was already closed (a job stopped between
         # its two final evaluations); a single-model baseline someone else finished is skipped.
@@ -235,8 +243,7 @@ class Driver:
         self.start_step = 1
         if self.backend is not None:
             problems = self.backend.problems()
-            batch = int(cfg.train.batch_prompts)
-            self.total_steps = int(cfg.train.max_steps or cfg.train.total_epochs * len(problems) // batch)
+            self.total_steps = total_steps(cfg, len(problems))
             streams = list(needed) if self.method.dynamic_sampling else ["shared"]
             self.streams = {name: PromptStream(problems, int(cfg.seed)) for name in streams}
             self.pool = ThreadPoolExecutor(max_workers=len(needed)) if self.backend.concurrent else None
@@ -253,7 +260,7 @@ class Driver:
     def rollout(self, role: str, problems: list, step: int, attempt: int = 0) -> Sampled:
         """n samples per prompt, rewards, GRPO advantages (eq. 1)."""
         n = int(self.method.n)
-        out = self.backend.sample(role, problems, n, derive_seed(self.cfg.seed, step, role, "rollout", attempt))
+        out = self.backend.sample(role, problems, n, derive_seed(self.cfg.seed, step, role, "rollout", attempt), step)
         golds = [p.answer for p in problems for _ in range(n)]
         rewards = torch.tensor(verify_rewards([r for group in out.responses for r in group], golds)).view(-1, n)
         rollouts = Rollouts(model=self.members[role].key, prompt_ids=[p.uid for p in problems],
@@ -407,7 +414,7 @@ class Driver:
                              for role, m in self.members.items()}}
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"ckpt-{step}-", suffix=".tmp", dir=self.root))
-        self.backend.save(tmp)
+        self.backend.save(tmp, step)
         (tmp / "driver.json").write_text(json.dumps(state))
         final = self.root / f"ckpt-{step}"
         if final.exists():
@@ -515,23 +522,15 @@ def update_metrics(counts: dict[str, float], spec: LossSpec) -> dict[str, float]
             "train/clipfrac_peer": counts.get(f"clipped_{kind}_peer", 0.0) / peer if peer > 0 else float("nan")}
 
 
-def find_stored_log(cfg: DictConfig, client, peer: str, download_to: Path):
-    """The trajectory log of the peer's FINISHED GRPO n=8 run with this seed (graft_stored's source).
-    Any backend's run of that model qualifies: the model key names the weights, and the replay checks
-    that the prompts of every step match."""
-    experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
-    query = (f"tags.`graft.method` = 'grpo_n8' and tags.`graft.model` = '{peer}' and "
-             f"tags.`graft.seed` = '{cfg.seed}' and attributes.status = 'FINISHED'")
-    runs = client.search_runs(experiments, query, max_results=1, order_by=["attributes.start_time DESC"]) \
-        if experiments else []
-    if not runs:
-        raise StoredLogMissing(
-            f"graft_stored replays the trajectory log of {peer}'s finished GRPO n=8 run with seed {cfg.seed}, "
-            f"and there is none in {cfg.tracking.uri}: launch `python -m graft_exp pair={cfg.pair.name} "
-            f"method=grpo_n8 seed={cfg.seed}` first")
+def download_stored_log(cfg: DictConfig, client, peer: str, download_to: Path):
+    """The trajectory log (``trajectories.read_log``) of the run ``graft_stored`` replays when ``peer`` is
+    its source (``tracking.stored_log_run``: checked before any run was opened)."""
+    run = tracking.stored_log_run(client, cfg, peer)
+    if run is None:   # deleted since the job's pre-launch check
+        tracking.check_stored_logs(cfg, client)
     shutil.rmtree(download_to, ignore_errors=True)
     download_to.mkdir(parents=True)
-    return read_log(Path(client.download_artifacts(runs[0].info.run_id, "trajectories", str(download_to))))
+    return read_log(Path(client.download_artifacts(run.info.run_id, "trajectories", str(download_to))))
 
 
 class progress_bar:

@@ -80,6 +80,14 @@ def receiver_loss(spec: LossSpec, log_prob: torch.Tensor, mask: torch.Tensor, ad
     if spec.kind == "hacpo":
         if advantages.dim() == 2:   # verl's [B, T] advantages column: one value per row
             advantages = (advantages * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        # Rows of weight 0 (verl's padding to the data-parallel size) take no part in HACPO's objective.
+        present = weights > 0
+        log_prob, mask, advantages, is_peer = log_prob[present], mask[present], advantages[present], is_peer[present]
+        source_mean_log_prob = source_mean_log_prob[present]
+        if isinstance(capability_ratio, torch.Tensor):
+            capability_ratio = capability_ratio[present]
+        if ref_log_prob is not None:
+            ref_log_prob = ref_log_prob[present]
         loss, raw = hacpo_policy_loss(
             log_prob, mask, source_mean_log_prob, advantages, is_peer, capability_ratio, minibatch_index,
             self_clip_low=spec.hacpo_self_clip_low, self_clip_high=spec.hacpo_self_clip_high,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from graft_exp import driver, tracking
+from graft_exp import driver, schema, tracking
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
 
@@ -84,6 +84,7 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
     client, job_id = results[0]
     job_metrics = histories(client, job_id)
     assert {"cost/gpu_hours", "exchange/A_to_B", "exchange/B_to_A"} <= set(job_metrics)
+    assert all(schema.known_metric(k, "job") for k in job_metrics), sorted(job_metrics)
     assert "config.yaml" in [a.path for a in client.list_artifacts(job_id)]
     runs = model_runs(client, job_id)
     assert set(runs) == {"A", "B"}
@@ -94,6 +95,8 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
         assert tags["graft.method"] == "graft" and tags["graft.n"] == "8" and "graft.best_step" in tags
         assert run.info.status == "FINISHED" and run.data.params["train.batch_prompts"] == "8"
         metrics = histories(client, run.info.run_id)
+        assert all(schema.known_metric(k, "model") for k in metrics), sorted(metrics)
+        assert all(schema.known_tag(k) for k in tags if k.startswith("graft.")), sorted(tags)
         for key in ("train/reward_mean", "train/all_fail_frac", "train/peer_solved_frac", "train/peer_groups",
                     "train/peer_admitted", "train/clipfrac_self", "cost/gpu_hours"):
             assert [s for s, _ in metrics[key]] == [1, 2], key
@@ -136,9 +139,8 @@ def test_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
 
 @pytest.mark.slow
 def test_stored_replay_needs_and_uses_the_peer_grpo_log(make_job, tmp_path):
-    with pytest.raises(driver.StoredLogMissing, match=r"launch `python -m graft_exp pair=tiny method=grpo_n8 seed=0`"):
-        make_stored = make_job("method=graft_stored", "train.max_steps=2")
-        local.train(*make_stored)
+    with pytest.raises(tracking.StoredLogMissing, match=r"launch `python -m graft_exp pair=tiny method=grpo_n8 seed=0`"):
+        make_job("method=graft_stored", "train.max_steps=2")   # before any run is created
     cfg, job = make_job("method=grpo_n8", "train.max_steps=2")
     local.train(cfg, job)
     job.finish("FINISHED")

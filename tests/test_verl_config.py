@@ -14,11 +14,11 @@ from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.utils.config import validate_config
 
 from graft_exp.algorithms import grpo_advantages
+from graft_exp.backends.verl.backend import dataset_problems, gather_groups
 from graft_exp.backends.verl.config import minibatch_prompts, placement, verl_config
-from graft_exp.backends.verl.loss import LossSpec
-from graft_exp.backends.verl.trainer import prompt_order, val_benchmarks
 from graft_exp.config import validate
 from graft_exp.evaluation import evaluate
+from graft_exp.objective import LossSpec
 from graft_exp.prepare import SOURCES, verl_rows, write_parquet
 from graft_exp.prompts import SUFFIX
 
@@ -140,7 +140,9 @@ def test_validation_benchmarks_from_prepared_data_scored_by_evaluation(tmp_path)
     config = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 2048, "filter_overlong_prompts": False,
                                "return_raw_chat": True, "cache_dir": str(tmp_path / "cache")})
     dataset = RLHFDataset(data_files=[str(f) for f in files], tokenizer=tokenizer, config=config)
-    benchmarks = val_benchmarks(dataset)
+    benchmarks = {}
+    for source, problem in dataset_problems(dataset):
+        benchmarks.setdefault(source, []).append(problem)
     assert {k: [(p.prompt, p.answer, p.row) for p in v] for k, v in benchmarks.items()} == {
         "aime2024": [(f"1+1? {SUFFIX}", "2", 0), (f"2+2? {SUFFIX}", "4", 1)], "amc23": [(f"3*3? {SUFFIX}", "9", 2)]}
     answers = {f"1+1? {SUFFIX}": ["\\boxed{2}", "\\boxed{3}"], f"2+2? {SUFFIX}": ["\\boxed{4}"] * 2,
@@ -149,21 +151,14 @@ def test_validation_benchmarks_from_prepared_data_scored_by_evaluation(tmp_path)
     assert scores == {"aime2024": 0.75, "amc23": 0.0, "avg": 0.375}
 
 
-def test_prompt_order_depends_on_seed_and_epoch_only():
-    assert torch.equal(prompt_order(10, 0, 1), prompt_order(10, 0, 1))
-    assert not torch.equal(prompt_order(10, 0, 0), prompt_order(10, 0, 1))
-    assert not torch.equal(prompt_order(10, 0, 0), prompt_order(10, 1, 0))
-
-
 def test_dynamic_sampling_takes_kept_groups_of_several_draws():
     """DAPO's kept groups of two draws become one step's rollouts: verl rows and exchange view agree."""
     from verl import DataProto
 
     from graft_exp.backends.verl import batch as vb
-    from graft_exp.backends.verl.trainer import Sampled, take_groups
-    from graft_exp.exchange import Rollouts
+    from graft_exp.rollouts import Rollouts
 
-    def draw(first_id: int) -> Sampled:
+    def draw(first_id: int) -> tuple[DataProto, Rollouts]:
         ids = [[first_id + row] for row in range(6)]    # 3 prompts x n = 2, one token per response
         out = DataProto.from_dict(tensors=vb.pack_rows([[1]] * 6, ids, prompt_length=2, response_length=2,
                                                        pad_token_id=0))
@@ -173,10 +168,12 @@ def test_dynamic_sampling_takes_kept_groups_of_several_draws():
                             rewards=rewards, advantages=grpo_advantages(rewards),
                             logp_sum=-torch.arange(6, dtype=torch.float64).view(3, 2) - first_id,
                             num_tokens=torch.ones(3, 2, dtype=torch.long), finished=torch.ones(3, 2, dtype=torch.bool))
-        return Sampled(out, rollouts, [f"gold{first_id}-{q}" for q in range(3)])
+        return out, rollouts
 
-    taken = take_groups([(draw(10), [0, 2]), (draw(20), []), (draw(30), [2])])
-    assert taken.rollouts.prompt_ids == ["10-0", "10-2", "30-2"] and taken.golds == ["gold10-0", "gold10-2", "gold30-2"]
-    assert taken.rollouts.responses == [["10", "11"], ["14", "15"], ["34", "35"]]
-    assert [vb.row_tokens(taken.out, row)[1] for row in range(6)] == [[10], [11], [14], [15], [34], [35]]
-    assert taken.rollouts.logp_sum[:, 0].tolist() == [-10, -14, -34] and taken.rollouts.k.tolist() == [1, 1, 1]
+    draws = [(draw(10), [0, 2]), (draw(20), []), (draw(30), [2])]
+    rows = gather_groups([(out, groups) for (out, _), groups in draws], n=2)
+    taken = Rollouts.concat_groups([(rollouts, groups) for (_, rollouts), groups in draws])
+    assert taken.prompt_ids == ["10-0", "10-2", "30-2"]
+    assert taken.responses == [["10", "11"], ["14", "15"], ["34", "35"]]
+    assert [vb.row_tokens(rows, row)[1] for row in range(6)] == [[10], [11], [14], [15], [34], [35]]
+    assert taken.logp_sum[:, 0].tolist() == [-10, -14, -34] and taken.k.tolist() == [1, 1, 1]

@@ -18,7 +18,8 @@ from graft_exp.algorithms import graft_policy_loss, hacpo_policy_loss, sgt_nll_l
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.backends.verl.config import verl_config
-from graft_exp.backends.verl.loss import LossSpec, actor_loss
+from graft_exp.backends.verl.loss import actor_loss
+from graft_exp.objective import LossSpec
 
 ROWS, PROMPT_LEN, RESPONSE_LEN = 8, 6, 7
 

@@ -26,8 +26,9 @@ from graft_exp.backends.verl.config import (
     ray_init_kwargs,
     verl_config,
 )
-from graft_exp.backends.verl.loss import LossSpec, actor_loss
+from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.backends.verl.runtime import VerlModel, scoped_job_id, scoped_zmq_handle
+from graft_exp.objective import LossSpec
 from graft_exp.tiny.models import ASSETS
 
 torch.set_num_threads(1)

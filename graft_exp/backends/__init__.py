@@ -4,7 +4,7 @@ job's MLflow run (graft_exp.tracking), resuming from its own checkpoints when th
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from omegaconf import DictConfig
 

@@ -92,7 +92,7 @@ class LocalBackend:
         return [self.policies[role].encode_prompt(tiny.model_input(p.prompt)) for p in problems]
 
     # ------------------------------------------------------------------ rollouts and scoring
-    def sample(self, role: str, problems: list[Problem], n: int, seed: int) -> Generation:
+    def sample(self, role: str, problems: list[Problem], n: int, seed: int, step: int) -> Generation:
         samples = self.policies[role].sample(self.prompt_ids(role, problems), n, float(self.train.temperature),
                                              float(self.train.top_p), int(self.train.max_response_length), seed)
         grid = lambda flat: [flat[q * n:(q + 1) * n] for q in range(len(problems))]
@@ -184,7 +184,7 @@ class LocalBackend:
         if role in self.best:   # no trained checkpoint was validated: the final weights stand
             self.policies[role].model.load_state_dict(self.best[role])
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, step: int) -> None:
         torch.save({role: {"model": p.model.state_dict(), "optimizer": p.optimizer.state_dict(),
                            "best": self.best.get(role)} for role, p in self.policies.items()}, directory / "state.pt")
 

@@ -5,27 +5,20 @@ schema as the local backend.
 
 Modules: ``config`` (our config -> verl's), ``loss`` (the receiver loss inside verl's engine), ``batch``
 (the exchange's scorer and receiver batches in verl's layout, minibatches laid out for its dispatch),
-``runtime`` (one model's verl stack), ``trainer`` (the step loop), ``ray_slurm`` (Ray in a Slurm job).
+``runtime`` (one model's verl stack), ``backend`` (the driver's adapter), ``ray_slurm`` (Ray in a Slurm job).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig
 
-from graft_exp import tracking
+from graft_exp import driver, tracking
 
 
-def train(cfg: DictConfig, job: tracking.TrackedRun) -> None:
+def train(cfg: DictConfig, job: tracking.TrackedRun) -> dict[str, dict[str, float]]:
     """Train every model of the job (co-trained, or each alone for single-model methods) into its MLflow
-    model run, resuming from ``<checkpoint_root>/<run_key>`` when the job was requeued."""
-    from graft_exp.backends.verl.ray_slurm import start_local_ray
-    from graft_exp.backends.verl.trainer import Trainer
+    model run through ``graft_exp.driver``, resuming from ``<checkpoint_root>/<run_key>`` when the job was
+    requeued. Ray and the models start only when there is a model left to train."""
+    from graft_exp.backends.verl.backend import create
 
-    trainer = Trainer(cfg, job, Path(cfg.checkpoint_root) / tracking.run_key(cfg))
-    if not trainer.runs:
-        return   # every model run of this job is FINISHED already (e.g. a shared GRPO baseline)
-    start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address)
-    trainer.start()
-    trainer.fit()
+    return driver.fit(cfg, job, create)

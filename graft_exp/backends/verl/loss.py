@@ -23,14 +23,12 @@ Advantages stay verl's ``advantages`` column ([B, T], the row's advantage on its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from graft_exp.algorithms import POLICY_LOSSES, hacpo_kl_loss, hacpo_policy_loss, sgt_nll_loss
+from graft_exp.objective import LossSpec, SftRows, receiver_loss
 
 WEIGHT, IS_PEER, DENOMINATOR = "graft_weight", "graft_is_peer", "graft_denominator"
 SFT, SFT_DENOMINATOR = "graft_sft", "graft_sft_denominator"
@@ -40,44 +38,6 @@ SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO, MINIBATCH_INDEX = (
 #: Token (HACPO: sequence) counts summed over micro-batches, data-parallel ranks and minibatches.
 COUNT_METRICS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_tokens_peer",
                  "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer", "sft_tokens")
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Which objective a receiver optimises, from the method config (picklable: it travels to the
-    Ray workers inside the loss function)."""
-
-    kind: str                       # graft | sequence_ratio | luffy | sgt | hacpo
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_ratio_c: float | None = 3.0   # verl's dual clip for A < 0 (graft_policy_loss's clip_ratio_c)
-    luffy_gamma: float = 0.1
-    sgt_lambda: float = 0.1
-    hacpo_self_clip_low: float = 3e-4
-    hacpo_self_clip_high: float = 4e-4
-    hacpo_cross_clip_delta: float = 0.2
-    hacpo_cross_clip_step: float = 0.025
-    hacpo_kl_coef: float = 1e-3
-
-    @classmethod
-    def from_method(cls, method) -> LossSpec:
-        """The policy loss of a method config (``cfg.method``)."""
-        if method.peer_loss == "hacpo":
-            kind = "hacpo"
-        elif method.peer_loss == "nll":
-            kind = "sgt"
-        elif method.peer_loss == "luffy":
-            kind = "luffy"
-        elif method.ratio == "sequence":
-            kind = "sequence_ratio"
-        else:
-            kind = "graft"
-        hacpo = method.hacpo
-        return cls(kind=kind, clip_low=float(method.clip_low), clip_high=float(method.clip_high),
-                   clip_ratio_c=float(method.clip_ratio_c), luffy_gamma=float(method.luffy_gamma), sgt_lambda=float(method.sgt_lambda),
-                   hacpo_self_clip_low=float(hacpo.self_clip_low), hacpo_self_clip_high=float(hacpo.self_clip_high),
-                   hacpo_cross_clip_delta=1.0 - float(hacpo.peer_clip_init),
-                   hacpo_cross_clip_step=float(hacpo.peer_clip_step), hacpo_kl_coef=float(hacpo.kl_coef))
 
 
 def _columns(data: TensorDict, names: list[str]) -> TensorDict:
@@ -106,9 +66,10 @@ def _metrics(loss: torch.Tensor, raw: dict[str, torch.Tensor], dp_size: int) -> 
 def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_group=None):
     """verl loss function (``set_loss_fn``) for one micro-batch: returns ``(loss, metrics)``.
 
-    ``config`` is the actor's verl ``ActorConfig`` (unused by the GRAFT objectives, kept for the verl
-    signature). The returned loss is the micro-batch's share of the minibatch objective times the
-    data-parallel size, because FSDP averages gradients over data-parallel ranks.
+    The objective is ``graft_exp.objective.receiver_loss``, the one the local backend optimises, with
+    the minibatch-wide denominators the rows carry. ``config`` is the actor's verl ``ActorConfig``
+    (unused, kept for verl's signature). The returned loss is the micro-batch's share of the minibatch
+    objective times the data-parallel size, because FSDP averages gradients over data-parallel ranks.
     """
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     dp_size = int(data["dp_size"])
@@ -116,41 +77,19 @@ def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_
                            DENOMINATOR, SFT, SFT_DENOMINATOR, SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO,
                            MINIBATCH_INDEX])
     mask = cols["response_mask"].bool()
-    weights, is_peer = cols[WEIGHT].float(), cols[IS_PEER].bool()
+    extra = {}
+    if spec.kind == "sgt" and SFT in cols.keys():  # noqa: SIM118 (TensorDict keys)
+        rows = cols[SFT].bool()
+        if bool(rows.any()):
+            extra["sft"] = SftRows(log_prob[rows], mask[rows], _first(cols[SFT_DENOMINATOR][rows]))
     if spec.kind == "hacpo":
-        return _hacpo_loss(spec, log_prob, mask, cols, is_peer, dp_size)
-    row_advantage = cols["advantages"]
-    loss_fn = POLICY_LOSSES["graft" if spec.kind == "sgt" else spec.kind]
-    extra = {"gamma": spec.luffy_gamma} if spec.kind == "luffy" else {}
-    loss, raw = loss_fn(log_prob, cols["old_log_probs"], row_advantage, weights, mask, spec.clip_low,
-                        spec.clip_high, is_peer=is_peer, num_tokens=_first(cols[DENOMINATOR]),
-                        clip_ratio_c=spec.clip_ratio_c, **extra)
-    if spec.kind == "sgt":
-        sft_rows = cols[SFT].bool()
-        if bool(sft_rows.any()):
-            nll, sft_raw = sgt_nll_loss(log_prob[sft_rows], mask[sft_rows], spec.sgt_lambda,
-                                        num_tokens=_first(cols[SFT_DENOMINATOR][sft_rows]))
-            loss = loss + nll
-            raw = {**raw, **sft_raw}
-    loss = loss * dp_size
-    return loss, _metrics(loss, raw, dp_size)
-
-
-def _hacpo_loss(spec: LossSpec, log_prob, mask, cols, is_peer, dp_size):
-    """HACPO's sequence-level objective plus its KL term (own rows only), per ``graft_exp.algorithms``."""
-    advantages = (cols["advantages"] * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    present = cols[WEIGHT] > 0
-    num_sequences = _first(cols[DENOMINATOR])
-    loss, raw = hacpo_policy_loss(
-        log_prob[present], mask[present], cols[SOURCE_MEAN_LOG_PROB][present].float(), advantages[present],
-        is_peer[present], cols[CAPABILITY_RATIO][present].float(), int(_first(cols[MINIBATCH_INDEX])),
-        self_clip_low=spec.hacpo_self_clip_low, self_clip_high=spec.hacpo_self_clip_high,
-        cross_clip_delta=spec.hacpo_cross_clip_delta, cross_clip_step=spec.hacpo_cross_clip_step,
-        num_sequences=num_sequences)
-    if spec.hacpo_kl_coef > 0:
-        kl, kl_raw = hacpo_kl_loss(log_prob[present], cols["ref_log_prob"][present], mask[present],
-                                   is_peer[present], spec.hacpo_kl_coef, num_sequences=num_sequences)
-        loss = loss + kl
-        raw = {**raw, **kl_raw}
+        extra.update(source_mean_log_prob=cols[SOURCE_MEAN_LOG_PROB].float(),
+                     capability_ratio=cols[CAPABILITY_RATIO].float(),
+                     minibatch_index=int(_first(cols[MINIBATCH_INDEX])),
+                     ref_log_prob=cols["ref_log_prob"] if spec.hacpo_kl_coef > 0 else None)
+    else:
+        extra["old_log_prob"] = cols["old_log_probs"]
+    loss, raw = receiver_loss(spec, log_prob, mask, cols["advantages"], cols[WEIGHT].float(), cols[IS_PEER].bool(),
+                              denominator=_first(cols[DENOMINATOR]), **extra)
     loss = loss * dp_size
     return loss, _metrics(loss, raw, dp_size)

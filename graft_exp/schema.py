@@ -1,0 +1,67 @@
+"""The MLflow schema (DESIGN.md "MLflow schema"): every tag and metric name training writes and
+analysis reads, with when it is written. The contract between ``graft_exp`` and ``analysis``; tests
+check that both backends write only these names and that ``analysis/`` reads only these names.
+
+``<bench>`` stands for a benchmark key of the pair (``math500``, ``aime2024``, ``aime2025``, ``amc23``,
+``minerva``; the tiny pair's ``add``, ``sub``, ``mul``, ``mixed``).
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Tags of a job run (one per Hydra job) -> when they are set.
+JOB_TAGS = {
+    "graft.run_key": "at creation: hash of the resolved config without launcher/tracking/paths (identity)",
+    "graft.study": "at creation", "graft.method": "at creation", "graft.pair": "at creation",
+    "graft.seed": "at creation", "graft.backend": "at creation", "graft.git_sha": "at creation",
+    "graft.slurm_job_id": "at creation and on every resume, under Slurm",
+    "graft.host": "at creation and on every resume", "graft.pid": "at creation and on every resume",
+    "graft.log": "at creation and on every resume, when the launcher names a log file",
+}
+#: Tags of a model run (child of the job run, one per trained model).
+MODEL_TAGS = {
+    "graft.run_key": "at creation (per model: shared GRPO baselines are found by it)",
+    "graft.model": "at creation", "graft.peer": "at creation (a model key, or none)", "graft.role": "at creation (A/B)",
+    "graft.study": "at creation", "graft.method": "at creation", "graft.pair": "at creation",
+    "graft.seed": "at creation", "graft.backend": "at creation", "graft.n": "at creation",
+    "graft.slurm_job_id": "as the job run's", "graft.host": "as the job run's", "graft.pid": "as the job run's",
+    "graft.log": "as the job run's",
+    "graft.best_step": "when training ends: the selected (trained) checkpoint's step",
+}
+#: Metrics of a job run, step = training step.
+JOB_METRICS = {
+    "cost/gpu_hours": "every step: cumulative joint cost, GPUs x training-step wall seconds / 3600",
+    "exchange/A_to_B": "every step of an online co-trained method: prompts selected A -> B",
+    "exchange/B_to_A": "every step of an online co-trained method: prompts selected B -> A",
+}
+#: Metrics of a model run: step = training step, except test/* (step = evaluation run 0..R-1).
+MODEL_METRICS = {
+    "train/reward_mean": "every step", "train/all_fail_frac": "every step",
+    "train/informative_frac": "every step: prompts with 0 < k < n",
+    "train/response_tokens_mean": "every step",
+    "train/loss": "every step: mean minibatch loss",
+    "train/clipfrac_self": "every step (HACPO: sequences)",
+    "train/clipfrac_peer": "steps with peer tokens (HACPO: sequences)",
+    "train/peer_solved_frac": "steps where this model failed some prompt and a peer sampled the same prompts",
+    "train/peer_groups": "every step of a co-trained method", "train/peer_admitted": "every step of a co-trained method",
+    "train/compat_mean": "steps where peer groups were scored",
+    "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
+    "val/<bench>": "validation steps (0, every eval.val_every, last)", "val/avg": "validation steps",
+    "test/<bench>": "final evaluation of the best checkpoint, one per run", "test/avg": "final evaluation",
+}
+#: Tag of the analysis run that holds regenerated tables and figures (not a training run).
+ANALYSIS_TAGS = {"graft.analysis": "on the analysis run `python -m analysis ... --log-to-mlflow` creates"}
+
+_BENCH = re.compile(r"^(val|test)/[a-z0-9_]+$")
+
+
+def known_metric(key: str, run: str) -> bool:
+    """Whether ``key`` is a schema metric of a ``run`` ("job" or "model") run."""
+    names = JOB_METRICS if run == "job" else MODEL_METRICS
+    return key in names or (run == "model" and bool(_BENCH.match(key)))
+
+
+def known_tag(key: str) -> bool:
+    """Whether ``key`` is a ``graft.*`` tag of the schema (MLflow's own ``mlflow.*`` tags are not ours)."""
+    return key in JOB_TAGS or key in MODEL_TAGS or key in ANALYSIS_TAGS
