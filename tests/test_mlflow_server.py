@@ -1,11 +1,13 @@
-"""A real ``mlflow server`` on a real PostgreSQL (.ci/start_mlflow_server.sh): 8 tiny jobs write
-into it at the same time (``cluster=submitit_local tracking=server``) and every metric of every
-job is there afterwards; a dead server stops a sweep before anything is launched."""
+"""A real ``mlflow server`` with basic auth on a real PostgreSQL (``python -m graft_exp.server``):
+8 tiny jobs of one user write into it at the same time (``cluster=submitit_local tracking=server``)
+and every metric of every job is there afterwards; a dead server stops a sweep before anything is
+launched."""
 
-import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -13,9 +15,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from graft_exp.server import read_credentials
 from graft_exp.sweep import plan
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.service, pytest.mark.slow]
 # Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
 EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B",
@@ -38,25 +40,38 @@ def postgres_installed() -> bool:
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """PostgreSQL + ``mlflow server`` for this test session; stopped at its end."""
+def mlflow_server():
+    """``python -m graft_exp.server`` on loopback for this test session, with a user that writes;
+    stopped at its end. Yields (URI, username, password)."""
     if not postgres_installed():
         pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); CI installs "
                     "the `postgresql` Debian package in .ci/run")
-    where = tmp_path_factory.mktemp("mlflow-server")
-    started = subprocess.run([str(ROOT / ".ci" / "start_mlflow_server.sh"), str(where), str(free_port()),
-                              str(free_port())], capture_output=True, text=True, timeout=400, check=False,
-                             env={**os.environ, "PYTHON": sys.executable})
+    # As root PostgreSQL runs as `postgres`, which cannot enter pytest's private temporary directory.
+    where = Path(tempfile.mkdtemp(prefix="graft-mlflow-server-"))
+    where.chmod(0o711)
+    port = free_port()
+
+    def server(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "graft_exp.server", *args, "--dir", str(where)],
+                              capture_output=True, text=True, timeout=400, check=False)
     try:
+        started = server("start", "--host", "127.0.0.1", "--port", str(port), "--pg-port", str(free_port()),
+                         "--workers", "2")
         assert started.returncode == 0, started.stderr
-        yield started.stdout.strip().splitlines()[-1]
+        added = server("add-user", "jobs")
+        assert added.returncode == 0, added.stderr
+        yield (f"http://127.0.0.1:{port}", *read_credentials(where / "users" / "jobs.credentials"))
     finally:
-        subprocess.run([str(ROOT / ".ci" / "stop_mlflow_server.sh"), str(where)], check=False, timeout=120)
+        server("stop")
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypatch, record_property):
+    uri, user, password = mlflow_server
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
     path = tmp_path / "concurrent8.yaml"
     path.write_text("study: concurrent8\nruns:\n"
                     "  - {pair: tiny, method: [graft, grpo_n8], seed: [0, 1, 2, 3]}\n")
@@ -71,7 +86,7 @@ def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypat
 
     sweep = plan(path, common)
     assert len(sweep.jobs) == 8
-    client = MlflowClient(mlflow_server)
+    client = MlflowClient(uri)
     exp = client.get_experiment_by_name("graft/concurrent8")
     runs = client.search_runs([exp.experiment_id], "")
     by_key = {r.data.tags["graft.run_key"]: r for r in runs}
