@@ -1,0 +1,3 @@
+from graft_exp.sweep.planning import main
+
+raise SystemExit(main())
