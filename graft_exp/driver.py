@@ -311,70 +311,86 @@ class Driver:
         return source
 
     def co_train_step(self, step: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        """Alg. 1, one step of every method: (each model's metrics, the job's metrics)."""
-        method, roles = self.method, list(self.members)
-        timer = Timer(roles)
+        """Alg. 1, one training step of every method: (each model's metrics, the job's metrics)."""
+        method, roles, timer = self.method, list(self.members), Timer(self.members)
         started = time.perf_counter()
-        # 1. Sample: both models on the same prompt batch (DAPO: each refills its own), rewards, advantages.
+        # 1. Sample: n responses per prompt from each model on the same prompts (DAPO: each refills its
+        #    own batch), binary rewards, GRPO advantages (eq. 1).
         shared = None if method.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
 
         def sample(role):
             with timer(role):
                 return self.dynamic_sampling_rollout(role, step) if shared is None else self.rollout(role, shared, step)
         own = self.each(sample)
-        rollouts = {role: own[role].rollouts for role in roles}
-        # 2. Exchange: which prompts, scored by each receiver's old policy, weighted, assembled (exchange.py).
-        gen, ratios, job_metrics = generator(self.cfg.seed, step, "exchange"), {r: 1.0 for r in roles}, {}
+        # 2. Exchange (exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
+        #    old policy (eq. 8), gated weights (eq. 9), each receiver's rows.
         scorers = {role: self.backend.scorer(role, own[role]) for role in roles}
-        sources: dict[str, Rollouts | None] = {role: None for role in roles}
         with timer(*roles):
-            if method.co_train and method.source == "online":
-                if method.peer_loss == "hacpo":
-                    ratios["A"], ratios["B"] = self.capability_ratios(rollouts)
-                batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method, rollouts["A"], rollouts["B"],
-                                                               (scorers["A"], scorers["B"]), gen, (ratios["A"], ratios["B"]))
-                batches, sources = {"A": batch_a, "B": batch_b}, {"A": rollouts["B"], "B": rollouts["A"]}
-                job_metrics = {"exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())}
-            elif method.source == "stored":   # one direction per receiver: no balancing
-                batches = {}
-                for role in roles:
-                    sources[role] = self.stored_source(role, step, own[role])
-                    to_receiver, _ = select_prompts(method, sources[role].k, rollouts[role].k, rollouts[role].n, gen)
-                    batches[role] = assemble(method, rollouts[role], sources[role], to_receiver, scorers[role], gen)
-            else:                             # single-model GRPO: own groups only
-                batches = {role: assemble(method, rollouts[role], rollouts[role],
-                                          torch.zeros(rollouts[role].rewards.shape[0], dtype=torch.bool), None, gen)
-                           for role in roles}
-        # 3. Update each receiver, one optimizer step per minibatch in the method's order (peer-last).
+            batches, sources, ratios, job_metrics = self.plan_receivers(step, own, scorers)
+
+        # 3. Update each receiver: one optimizer step per minibatch, in the method's order (peer groups last),
+        #    on the method's loss (eq. 10 for GRAFT; objective.py).
         def update(role):
             with timer(role):
                 order = batches[role].minibatches(method, self.minibatch_prompts(),
                                                   generator(self.cfg.seed, step, role, "order"))
                 return self.backend.update(role, self.spec, batches[role], order, own[role], sources[role], ratios[role])
         counts = self.each(update)
-        # 4. Record: metrics, trajectory log, device-hours.
-        metrics = {}
-        for role in roles:
-            m = {f"train/{k}": v for k, v in rollout_metrics(rollouts[role]).items()}
-            m.update(update_metrics(counts[role], self.spec))
-            if method.co_train:
-                m.update({f"train/{k}": v for k, v in batches[role].metrics.items()})
-            peer = sources[role] if sources[role] is not None else \
-                (rollouts[PEER_OF[role]] if not method.dynamic_sampling and PEER_OF[role] in rollouts else None)
-            if peer is not None:
-                m["train/peer_solved_frac"] = peer_solved_frac(rollouts[role], peer)
-            metrics[role] = m
-            write_step(self.root / "trajectories" / role, step, rollouts[role], own[role].token_ids)
-        wall = time.perf_counter() - started
-        shares, joint = step_costs(timer.seconds, wall, {r: self.backend.devices(r) for r in roles},
-                                   bool(method.co_train), self.backend.concurrent)
+        # 4. Record: per-model metrics, the trajectory log, GPU-hours.
+        metrics = {role: self.record(role, step, own, batches[role], sources[role], counts[role]) for role in roles}
+        job_metrics["cost/gpu_hours"] = self.charge(timer.seconds, time.perf_counter() - started, metrics)
+        return metrics, job_metrics
+
+    def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
+        """Each receiver's batch by the method: online exchange (both directions, balanced), stored replay
+        (one direction per receiver), or own groups only (single-model GRPO). Returns (batches, sources,
+        HACPO capability ratios, the job's exchange metrics)."""
+        method, rollouts = self.method, {role: s.rollouts for role, s in own.items()}
+        gen, ratios = generator(self.cfg.seed, step, "exchange"), {role: 1.0 for role in own}
+        if method.co_train and method.source == "online":
+            if method.peer_loss == "hacpo":
+                ratios["A"], ratios["B"] = self.capability_ratios(rollouts)
+            batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method, rollouts["A"], rollouts["B"],
+                                                           (scorers["A"], scorers["B"]), gen, (ratios["A"], ratios["B"]))
+            return ({"A": batch_a, "B": batch_b}, {"A": rollouts["B"], "B": rollouts["A"]}, ratios,
+                    {"exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())})
+        if method.source == "stored":
+            batches, sources = {}, {}
+            for role, sampled in own.items():
+                sources[role] = self.stored_source(role, step, sampled)
+                to_receiver, _ = select_prompts(method, sources[role].k, rollouts[role].k, rollouts[role].n, gen)
+                batches[role] = assemble(method, rollouts[role], sources[role], to_receiver, scorers[role], gen)
+            return batches, sources, ratios, {}
+        nothing = {role: torch.zeros(r.rewards.shape[0], dtype=torch.bool) for role, r in rollouts.items()}
+        return ({role: assemble(method, r, r, nothing[role], None, gen) for role, r in rollouts.items()},
+                dict.fromkeys(own), ratios, {})
+
+    def record(self, role: str, step: int, own: dict[str, Sampled], batch: ReceiverBatch, source: Rollouts | None,
+               counts: dict[str, float]) -> dict[str, float]:
+        """Model ``role``'s step metrics (``schema.MODEL_METRICS``) and its trajectory-log entry."""
+        rollouts = own[role].rollouts
+        m = {f"train/{k}": v for k, v in rollout_metrics(rollouts).items()}
+        m.update(update_metrics(counts, self.spec))
+        if self.method.co_train:
+            m.update({f"train/{k}": v for k, v in batch.metrics.items()})
+        # What the peer solved: the exchange's source, or the other GRPO model on the same prompts.
+        if source is None and not self.method.dynamic_sampling and PEER_OF[role] in own:
+            source = own[PEER_OF[role]].rollouts
+        if source is not None:
+            m["train/peer_solved_frac"] = peer_solved_frac(rollouts, source)
+        write_step(self.root / "trajectories" / role, step, rollouts, own[role].token_ids)
+        return m
+
+    def charge(self, busy: dict[str, float], wall: float, metrics: dict[str, dict[str, float]]) -> float:
+        """Add the step's device-hours (``step_costs``) to each model's metrics; the job's cumulative cost."""
+        shares, joint = step_costs(busy, wall, {r: self.backend.devices(r) for r in busy},
+                                   bool(self.method.co_train), self.backend.concurrent)
         self.job_device_seconds += joint
         for role, member in self.members.items():
-            member.busy_seconds += timer.seconds[role]
+            member.busy_seconds += busy[role]
             member.device_seconds += shares[role]
             metrics[role]["cost/gpu_hours"] = member.device_seconds / 3600.0
-        job_metrics["cost/gpu_hours"] = self.job_device_seconds / 3600.0
-        return metrics, job_metrics
+        return self.job_device_seconds / 3600.0
 
     def minibatch_prompts(self) -> int:
         """Prompt groups per optimizer step: HACPO's own setting (64 on the paper's 128), else train's."""
@@ -506,9 +522,6 @@ class Driver:
         self.root.mkdir(parents=True, exist_ok=True)
         path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         self.job.log_artifact(path)
-        for member in self.members.values():
-            if member.run is not None:
-                member.run.log_params(tracking.flatten(OmegaConf.to_container(self.cfg, resolve=True)))
 
 
 def update_metrics(counts: dict[str, float], spec: LossSpec) -> dict[str, float]:

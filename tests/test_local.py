@@ -105,6 +105,10 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert {"trajectories", "prompt_success.parquet"} <= artifacts
         assert len(client.list_artifacts(run.info.run_id, "trajectories")) == 2
+    # GPU-hours: the two models' shares add up to the joint run's cost at every step.
+    model_cost = [histories(client, r.info.run_id)["cost/gpu_hours"] for r in runs.values()]
+    for (step, joint), (_, a), (_, b) in zip(job_metrics["cost/gpu_hours"], *model_cost):
+        assert a + b == pytest.approx(joint, rel=1e-9) and a > 0 and b > 0, step
     # Same seed, same metrics (wall-clock cost aside).
     second_runs = model_runs(*results[1])
     for role in ("A", "B"):
