@@ -135,10 +135,11 @@ def assemble(method, receiver: Rollouts, source: Rollouts, selected: torch.Tenso
     metrics = {"peer_groups": float(len(chosen)), "peer_admitted": 0.0}
 
     if method.peer_loss == "nll":
-        # SGT: own groups untouched, plus the NLL of one uniformly drawn correct peer response.
+        # SGT: own groups untouched, plus the NLL of one uniformly drawn correct peer response. It is GRPO
+        # plus that term: its minibatches keep GRPO's order (no group counts as peer for the packing).
         draw = draw_one_correct_response(source.rewards, selected, generator)
         nll = [(q, int(draw[q])) for q in chosen]
-        group_is_peer = selected.clone()
+        group_is_peer = torch.zeros_like(selected)
         rows = [Row(q, SELF, q, i, float(own_adv[q, i]), 1.0) for q in range(prompts) for i in range(n)]
         metrics["peer_admitted"] = float(len(nll))
         return ReceiverBatch(rows, group_is_peer, nll, metrics)

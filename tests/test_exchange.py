@@ -103,6 +103,11 @@ def test_sgt_adds_one_correct_peer_response_and_keeps_own_groups():
     assert len(batch_b.rows) == 4 * N and all(r.origin == SELF for r in batch_b.rows)
     assert [q for q, _ in batch_b.nll] == [1, 3]
     assert all(a.rewards[q, i] == 1 for q, i in batch_b.nll)
+    # GRPO + NLL: the rescued prompts are not packed last; the minibatches are GRPO's (in batch order).
+    assert not batch_b.group_is_peer.any()
+    grpo = assemble(method(selection="none", peer_loss="none"), b, b, torch.zeros(4, dtype=torch.bool), None, GEN)
+    seed = lambda: torch.Generator().manual_seed(1)   # noqa: E731
+    assert batch_b.minibatches(sgt, 2, seed()) == grpo.minibatches(sgt, 2, seed()) == [[0, 1], [2, 3]]
 
 
 def test_hacpo_pools_every_prompt_in_separate_groups():
