@@ -1,3 +1,7 @@
+"""``python -m graft_exp.sweep``: ``planning`` (sweep files into ordered jobs; pure), ``state``
+(their state from MLflow and the scheduler, the status table), ``launch`` (multiruns in waves)
+and the command line in ``__main__``."""
+
 from graft_exp.sweep.planning import SweepError, expand, plan, replace
 
 __all__ = ["SweepError", "expand", "plan", "replace"]

@@ -1,3 +1,73 @@
-from graft_exp.sweep.planning import main
+"""``python -m graft_exp.sweep SWEEP.yaml``: list, check and launch the runs of one paper table.
 
-raise SystemExit(main())
+A sweep file (``sweeps/*.yaml``) names its MLflow study and lists override grids::
+
+    study: stored
+    runs:
+      - {pair: [pair1, pair2, pair3], method: [grpo_n8, graft], seed: 0}
+      - pair: [pair1, pair2, pair3]
+        method: graft_stored
+        seed: 0
+        after: {method: grpo_n8}     # needs the GRPO n=8 runs of the same pair and seed first
+
+Each grid is a Cartesian product of its keys (Hydra override keys; a scalar is a one-value list).
+``after`` names the jobs a job needs: the same overrides with these replaced.
+
+Every job is identified by its ``graft.run_key``, whatever study trained it. A single-model job
+(GRPO) whose models another job of the sweep already trains is dropped, and one that shares a
+model with an earlier job runs after it, so a shared GRPO baseline is trained once.
+
+  --dry-run   the job list and how many are finished / running / failed / missing (MLflow only),
+              with estimated GPU-hours;
+  --status    the same from MLflow and the scheduler, failed jobs with their log;
+  (default)   launch what is not finished and not queued, through ``cluster=...``, in waves that
+              respect ``after``; report failures as they happen; finish with the status table.
+
+Other arguments are Hydra overrides for every job, e.g. ``cluster=slurm tracking=server
+hydra.launcher.partition=gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from graft_exp import tracking
+from graft_exp.sweep.launch import run
+from graft_exp.sweep.planning import SweepError, plan
+from graft_exp.sweep.state import console, report, snapshot
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graft_exp.sweep", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path, help="a sweep file, e.g. sweeps/main.yaml")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="list jobs and their state; launch nothing")
+    mode.add_argument("--status", action="store_true", help="state from MLflow and the scheduler, with logs")
+    parser.add_argument("--out", type=Path, default=Path("multirun/sweeps"),
+                        help="where launches write their Hydra sweep dirs and launches.jsonl")
+    parser.add_argument("--poll", type=float, default=None,
+                        help="seconds between state checks while waiting (default: cluster.poll_s)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (cluster=slurm ...)")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        sweep = plan(args.sweep, args.overrides)
+    except (SweepError, FileNotFoundError) as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+    manifest = args.out / sweep.study / "launches.jsonl"
+    if args.dry_run or args.status:
+        report(sweep, snapshot(sweep, manifest, scheduler_too=args.status), with_logs=args.status)
+        return 0
+    cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
+    poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
+    try:
+        return run(sweep, args.overrides, args.out, parallel=bool(cluster and cluster.parallel), poll_s=poll)
+    except tracking.TrackingError as err:
+        console.print(f"[red]nothing launched:[/] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

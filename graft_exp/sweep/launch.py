@@ -1,0 +1,143 @@
+"""Launching a planned sweep: job config files, one multirun per pair, waves that respect ``after``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+from graft_exp import tracking
+from graft_exp.launching import status
+from graft_exp.launching.callbacks import SWEEP_ENV
+from graft_exp.launching.jobs import CONF_DIR, Job
+from graft_exp.sweep.planning import Sweep, SweepJob
+from graft_exp.sweep.state import STYLE, console, counts, report, snapshot
+
+
+def job_file(job: Job, group_keys: set[str]) -> str:
+    """A Hydra config (the "experiment" pattern) that sets the job's own overrides, except the
+    pair, which the launch command sets so that the launcher's resources follow the pair."""
+    defaults, values = [], {}
+    for text in job.overrides:
+        key, value = text.split("=", 1)
+        if key == "pair":
+            continue
+        if key in group_keys:
+            defaults.append(f"  - override /{key}: {value}")
+        else:
+            values[key] = yaml.safe_load(value)
+    body = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{k}={json.dumps(v)}" for k, v in values.items()]))
+    lines = ["# @package _global_", f"# graft_exp sweep job: {job.label}"]
+    if defaults:
+        lines += ["defaults:", *defaults]
+    if values:
+        lines.append(body.rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str],
+                    out: Path) -> list[tuple[list[str], Path, list[str]]]:
+    """One ``python -m graft_exp -m`` command per pair (the pair fixes the launcher's resources):
+    (command, its Hydra sweep dir, the run keys in job-index order)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    commands = []
+    pairs = list(dict.fromkeys(sj.job.cfg.pair.name for sj in ready))
+    group_keys = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    for pair in pairs:
+        batch = [sj for sj in ready if sj.job.cfg.pair.name == pair]
+        sweep_dir = (out / sweep.study / f"{stamp}-{pair}").resolve()
+        jobs_dir = sweep_dir / "jobs" / "sweep_job"
+        jobs_dir.mkdir(parents=True, exist_ok=True)
+        names = []
+        for sj in batch:
+            name = f"j{sj.index:03d}"
+            (jobs_dir / f"{name}.yaml").write_text(job_file(sj.job, group_keys))
+            names.append(name)
+        command = [sys.executable, "-m", "graft_exp", "-m", f"pair={pair}", f"+sweep_job={','.join(names)}",
+                   f"study={sweep.study}", f"hydra.searchpath=[file://{sweep_dir / 'jobs'}]",
+                   f"hydra.sweep.dir={sweep_dir}", *overrides]
+        commands.append((command, sweep_dir, [sj.key for sj in batch]))
+    return commands
+
+
+@dataclass(eq=False)
+class Launch:
+    """One ``python -m graft_exp -m`` process and the run keys of its jobs."""
+
+    proc: subprocess.Popen
+    keys: list[str]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def launch(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path,
+           manifest: Path) -> list[Launch]:
+    """Start the multiruns of ``ready`` (one per pair) without waiting for them."""
+    launches = []
+    for command, sweep_dir, keys in launch_commands(sweep, ready, overrides, out):
+        with manifest.open("a") as f:
+            f.write(json.dumps({"time": time.time(), "sweep_dir": str(sweep_dir), "keys": keys}) + "\n")
+        console.print(f"launching {len(keys)} job(s): {' '.join(command[2:])}", soft_wrap=True)
+        proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", SWEEP_ENV: "1"})
+        launches.append(Launch(proc, keys))
+    return launches
+
+
+def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: float) -> int:
+    """Launch every job that is neither finished nor queued as soon as what it needs is trained;
+    print each launched job's state changes as they happen; end with the status table. Exit
+    status 1 when a job did not finish.
+
+    A parallel cluster's multirun process only waits for its jobs' results (Hydra's submitit
+    launcher polls them with growing intervals, and reports failures at the end); once MLflow and
+    Slurm show every job of it ended, it is stopped. On ``cluster=local`` the jobs run inside
+    the multirun process, one multirun at a time.
+    """
+    manifest = out / sweep.study / "launches.jsonl"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    # The store exists before anything (this loop included) reads it: concurrent first-time
+    # schema creation by two processes crashes one of them.
+    tracking.ensure_store(sweep.uri, f"graft/{sweep.study}")
+    attempted: set[str] = set()
+    seen: dict[str, str] = {}
+    launches: list[Launch] = []
+    ended = (status.DONE, status.FAILED, status.CRASHED)
+    while True:
+        snap = snapshot(sweep, manifest, scheduler_too=True)
+        for sj in sweep.jobs:
+            state, log = snap.states[sj.key]
+            if sj.key in attempted and seen.get(sj.key) != state:
+                console.print(f"[{STYLE[state]}]{state}[/] #{sj.index} {sj.job.label}" +
+                              (f": log {log}" if state in (status.FAILED, status.CRASHED) else ""),
+                              soft_wrap=True)
+            seen[sj.key] = state
+        for la in launches:
+            if parallel and la.alive() and all(snap.states[k][0] in ended for k in la.keys):
+                la.proc.terminate()   # every job ended: only the launcher's own waiting is left
+                la.proc.wait(timeout=60)
+        launches = [la for la in launches if la.alive()]
+        todo = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
+        ready = [sj for sj in todo if snap.ready(sj)]
+        if ready and (parallel or not launches):
+            launches += launch(sweep, ready, overrides, out, manifest)
+            attempted |= {sj.key for sj in ready}
+            continue
+        in_flight = [sj for sj in sweep.jobs if snap.state(sj) in (status.RUNNING, status.PENDING)]
+        if not launches and not (todo and in_flight) and not any(sj.key in attempted for sj in in_flight):
+            break
+        time.sleep(poll_s)
+    snap = snapshot(sweep, manifest, scheduler_too=True)
+    report(sweep, snap, with_logs=True)
+    never = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
+    for sj in never:
+        console.print(f"  [yellow]not launched[/] #{sj.index} {sj.job.label}: what it needs did not finish")
+    return 0 if counts(sweep, snap)[status.DONE] == len(sweep.jobs) else 1
+
