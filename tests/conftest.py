@@ -41,6 +41,16 @@ def store_template(request) -> Path:
     return db
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_ambient_tracking_server():
+    """A researcher's MLFLOW_TRACKING_URI (their real server) and its credentials never reach the tests:
+    a test that needs a server starts its own and sets them itself."""
+    with pytest.MonkeyPatch.context() as env:
+        for key in [k for k in os.environ if k.startswith("MLFLOW_TRACKING_")]:
+            env.delenv(key)
+        yield
+
+
 # --- Slurm: the session's own cluster; a real one only when asked ------------------------------------
 # The service tests never submit to a Slurm they did not start: `sinfo` answering on a login node is the
 # site's cluster, not ours. They start a private cluster (tests/private_slurm.py) or, with

@@ -37,7 +37,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "ip", "nsenter", "unshare")
+# Debian packages: slurm-wlm, munge, iproute2 (ip) and util-linux (nsenter, unshare).
+REQUIRED = ("munged", "slurmctld", "slurmd", "sbatch", "ip", "nsenter", "unshare")
 
 
 def free_port() -> int:
@@ -50,10 +51,10 @@ def why_not_startable() -> str | None:
     """Why this machine cannot start a private cluster, or None when it can."""
     if os.geteuid() != 0:
         return "starting a private Slurm cluster needs root (slurmd runs jobs as their users)"
-    missing = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
+    missing = [c for c in REQUIRED if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
     if missing:
-        return (f"Debian's slurm-wlm and munge are not installed ({', '.join(missing)} missing); "
-                "`apt-get install slurm-wlm munge` (.ci/run does this in CI)")
+        return (f"{', '.join(missing)} not found: `apt-get install slurm-wlm munge iproute2` "
+                "(.ci/run does this in CI)")
     return None
 
 
@@ -130,7 +131,7 @@ class PrivateSlurm:
         self.run_dir = tempfile.mkdtemp(prefix="gslurm", dir="/tmp")
         self.cluster = f"graft{self.tag}".lower()
         try:
-            if self.netns and self.nodes > 0:
+            if self.netns:
                 try:
                     self._make_network()
                 except subprocess.CalledProcessError as err:
@@ -138,7 +139,7 @@ class PrivateSlurm:
                     print(f"private Slurm: no network namespaces ({err.stderr.strip()}); one local node",
                           file=sys.stderr)
                     self._remove_network()
-                    self.members = []
+                    self.members, self.bridge, self.ctld_addr = [], None, "127.0.0.1"
             if not self.members:
                 self.members = [Node(f"{self.tag}n1", "127.0.0.1")]
             self._save()
@@ -276,7 +277,7 @@ class PrivateSlurm:
 
     # --- tear-down -------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Cancel this cluster's jobs, stop its daemons, remove its namespaces, bridge and host files."""
+        """Cancel this cluster's jobs, stop its daemons, remove its namespaces, bridge and socket directory."""
         if self.conf.exists() and (self.root / "slurmctld.pid").exists():
             self.run("scancel", "--full", "--user=root", check=False)
         for node in self.members:

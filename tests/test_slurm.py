@@ -45,16 +45,17 @@ def sweep_file(path: Path, methods: list[str], seed: int = 0) -> Path:
     return path
 
 
-def sweep_command(path: Path, workdir: Path, slurm, *extra: str) -> list[str]:
+def sweep_command(path: Path, workdir: Path, slurm, *extra: str, checkpoints: Path | None = None) -> list[str]:
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     return [sys.executable, "-m", "graft_exp.sweep", str(path), "--out", str(workdir / "multirun"),
             "--poll", "2", "cluster=slurm", "cluster.poll_s=2", f"tracking.uri={uri}",
-            f"checkpoint_root={workdir / 'checkpoints'}", *slurm.launcher_overrides, *SHORT, *extra]
+            f"checkpoint_root={checkpoints or workdir / 'checkpoints'}", *slurm.launcher_overrides, *SHORT, *extra]
 
 
-def run_sweep(path: Path, workdir: Path, slurm, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(sweep_command(path, workdir, slurm), capture_output=True, text=True, timeout=timeout,
-                          check=False, env=env)
+def run_sweep(path: Path, workdir: Path, slurm, timeout: float,
+              checkpoints: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(path, workdir, slurm, checkpoints=checkpoints), capture_output=True,
+                          text=True, timeout=timeout, check=False)
 
 
 def completed_jobs(cluster: PrivateSlurm) -> dict[str, dict[str, str]]:
@@ -205,18 +206,21 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, own_slurm, work
 
 
 def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir):
-    """A stored-trajectory job without the GRPO log it replays fails in the backend: the sweep names
-    it with its log while running, Slurm records FAILED (not COMPLETED) and the run is FAILED."""
-    path = sweep_file(workdir / "failing.yaml", ["graft_stored"])
-    done = run_sweep(path, workdir, slurm, timeout=900)
-    assert done.returncode == 1
+    """A job that cannot write its checkpoints (its checkpoint root lies under a regular file) fails in the
+    backend after its run started: the sweep names it with its log while running, Slurm records FAILED
+    (not COMPLETED) and the run is FAILED."""
+    (workdir / "not-a-directory").write_text("")
+    checkpoints = workdir / "not-a-directory" / "checkpoints"
+    path = sweep_file(workdir / "failing.yaml", ["graft"])
+    done = run_sweep(path, workdir, slurm, timeout=900, checkpoints=checkpoints)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    (sj,) = plan(path, [f"tracking.uri={uri}", *SHORT]).jobs
+    (sj,) = plan(path, [f"tracking.uri={uri}", f"checkpoint_root={checkpoints}", *SHORT]).jobs
     (run,) = runs_by_key(uri)[sj.key]
     assert run.info.status == "FAILED"
     log = run.data.tags["graft.log"]
-    assert f"failed #0 pair=tiny method=graft_stored seed=0: log {log}" in done.stdout
-    assert "Traceback" in Path(log).read_text()
+    assert f"failed #0 pair=tiny method=graft seed=0: log {log}" in done.stdout
+    assert "NotADirectoryError" in Path(log).read_text()
     state = subprocess.run(["scontrol", "show", "job", run.data.tags["graft.slurm_job_id"]],
                            capture_output=True, text=True, check=True).stdout
     assert "JobState=FAILED" in state
