@@ -106,7 +106,7 @@ def test_sgt_adds_one_correct_peer_response_and_keeps_own_groups():
     # GRPO + NLL: the rescued prompts are not packed last; the minibatches are GRPO's (in batch order).
     assert not batch_b.group_is_peer.any()
     grpo = assemble(method(selection="none", peer_loss="none"), b, b, torch.zeros(4, dtype=torch.bool), None, GEN)
-    seed = lambda: torch.Generator().manual_seed(1)   # noqa: E731
+    seed = lambda: torch.Generator().manual_seed(1)
     assert batch_b.minibatches(sgt, 2, seed()) == grpo.minibatches(sgt, 2, seed()) == [[0, 1], [2, 3]]
 
 
