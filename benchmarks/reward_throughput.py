@@ -1,15 +1,16 @@
 """Reward throughput: responses verified per second on one core and on all cores, side by side.
 
-    python benchmarks/reward_throughput.py [--responses 1024] [--repeats 2] [--workers N]
+    python benchmarks/reward_throughput.py [--prompts 128] [--n 8] [--repeats 2] [--workers N]
 
-The batch is a training step's worth (128 prompts x 8 responses) of MATH-style responses: the realistic
-cases of tests/data/reward_cases.yaml (every benchmark's gold format, right and wrong answers), cycled,
-each behind ~1,500 characters of reasoning. Pairs are sent to the pool as they are, without the
-de-duplication ``rewards`` does, so every response is verified. Measured, in one run:
+The batch is a training step's worth (128 prompts x 8 responses) of MATH-style responses built from the
+realistic cases of tests/data/reward_cases.yaml (every benchmark's gold format, right and wrong
+answers), each behind ~1,500 characters of reasoning (see ``step_batch``). Every pair is distinct and
+sent to the pool as it is, so every response is verified. Measured, in one run:
 
 - pool start-up: the first call of a fresh pool (interpreters, math-verify import, warm-up);
-- the batch in the calling thread (``verify_answer``, no timeout), through a 1-worker pool and through
-  an all-cores pool, the pools warm; one-core and all-core passes alternate so that background load hits
+- the batch in the calling thread (``verify_answer`` per response: no timeout, each gold parsed for
+  every response), through a 1-worker pool and through an all-cores pool, the pools warm (a worker
+  parses a group's gold once per chunk); one-core and all-core passes alternate so that background load hits
   both alike, and the best of ``--repeats`` counts;
 - the tiny default run's step (16 prompts x 8 integer answers) in the calling thread and through the pool.
 """
@@ -32,15 +33,18 @@ REASONING = ("Let me set up the problem carefully. We write the given condition 
              "simplify both sides and check the edge cases one at a time before combining them. ") * 9
 
 
-def batch(size: int) -> list[tuple[str, str]]:
-    """``size`` (boxed answer, gold) pairs from the realistic cases, cycled, as the reward sees them."""
-    pairs = []
+def step_batch(prompts: int, n: int) -> list[tuple[str, str]]:
+    """A step's (boxed answer, gold) pairs: ``prompts`` groups of ``n``, one gold per group, as the
+    trainer sends them. Group q takes case q's gold (cycling) and the answers of cases q .. q+n-1:
+    its own (right or wrong as the case says) and n-1 others (mostly wrong), every pair distinct."""
+    answers, golds = [], []
     for case in yaml.safe_load(CASES.read_text()):
         answer = last_boxed(REASONING + case["response"])
         if answer and answer.strip():
             source = SOURCES[case["source"]]
-            pairs.append((answer, gold_answer({source.answer: case["gold"]}, source)))
-    return [pairs[i % len(pairs)] for i in range(size)]
+            answers.append(answer)
+            golds.append(gold_answer({source.answer: case["gold"]}, source))
+    return [(answers[(q + k) % len(answers)], golds[q % len(golds)]) for q in range(prompts) for k in range(n)]
 
 
 def timed(fn) -> float:
@@ -51,12 +55,13 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--responses", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workers", type=int, default=default_workers(), help="all-cores pool size")
     args = parser.parse_args()
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    pairs = batch(args.responses)
+    pairs = step_batch(args.prompts, args.n)
     tiny = [(str(v), str(v if i % 3 else v + 1)) for i, v in enumerate(range(10, 10 + 128))]
     print(f"{len(pairs)} responses, {os.cpu_count()} cores seen, load average {os.getloadavg()[0]:.1f} "
           "(wall-clock rates need idle cores)")
