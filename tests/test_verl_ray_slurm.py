@@ -68,6 +68,14 @@ def test_sbatch_script(tmp_path):
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
+def test_script_refuses_an_allocation_without_gpus():
+    done = subprocess.run([sys.executable, "-m", "graft_exp.backends.verl.ray_slurm", "--nodes", "2",
+                           "--gpus-per-node", "0", "--", "pair=pair1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2 and "needs at least 1 node, GPU and CPU per node" in done.stderr
+    assert "#SBATCH" not in done.stdout
+
+
 def slurm_conf() -> dict[str, str]:
     return {"SLURM_CONF": os.environ["SLURM_CONF"]} if "SLURM_CONF" in os.environ else {}
 
@@ -145,3 +153,5 @@ def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp
     used = [node for groups in pools.values() for g in groups for node in g.values()]
     assert set(used) == set(nodes) and len(used) == 2 * gpus
     assert placement["free"].get("GPU", 0) == 0
+    # Ray actors get verl's PPO runtime environment and the job's token for its socket names.
+    assert placement["actor_env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1" and placement["actor_env"]["GRAFT_JOB_TOKEN"]

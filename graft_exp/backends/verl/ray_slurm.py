@@ -123,6 +123,10 @@ def sbatch_script(cluster_nodes: int, gpus_per_node: int, cpus_per_node: int, ov
                   job_name: str = "graft-verl", setup: list[str] | None = None, port: int = RAY_PORT) -> str:
     """An sbatch script that starts Ray across ``cluster_nodes`` nodes and runs one verl training job
     (``python -m graft_exp <overrides> backend=verl backend.ray_address=auto``) on the head node."""
+    if min(cluster_nodes, gpus_per_node, cpus_per_node) < 1:
+        raise ValueError(f"a multi-node verl job needs at least 1 node, GPU and CPU per node; got nodes="
+                         f"{cluster_nodes}, gpus_per_node={gpus_per_node}, cpus_per_node={cpus_per_node}")
+    # --mem=0: all of each node's memory (the job holds its nodes' GPUs; FSDP and vLLM want the host RAM).
     directives = [f"--job-name={job_name}", f"--nodes={cluster_nodes}", "--ntasks-per-node=1",
                   f"--gpus-per-node={gpus_per_node}", f"--cpus-per-task={cpus_per_node}", "--mem=0",
                   f"--time={time}", "--requeue", "--signal=B:USR2@120"]
@@ -159,20 +163,23 @@ def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: in
     return "\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items())
 
 
-def start_local_ray(num_gpus: int, address: str | None = None) -> None:
+def start_local_ray(num_gpus: int, address: str | None = None, init_kwargs: dict | None = None) -> None:
     """Connect to Ray for one job: ``address`` ("auto": the allocation's cluster) or a private Ray on
-    this node with ``num_gpus`` GPUs. A job spread over several Slurm nodes needs the sbatch script."""
+    this node with ``num_gpus`` GPUs. A job spread over several Slurm nodes needs the sbatch script.
+    ``init_kwargs``: ``config.ray_init_kwargs`` (verl's runtime environment; a private Ray's own temp dir)."""
     import ray
 
     if ray.is_initialized():
         return
+    init_kwargs = dict(init_kwargs or {})
     if address:
-        ray.init(address=address)
+        init_kwargs.pop("_temp_dir", None)   # a joined cluster keeps the one `ray start` was given
+        ray.init(address=address, **init_kwargs)
         return
     if int(os.environ.get("SLURM_NNODES", "1")) > 1:
         raise RuntimeError("this Slurm job spans several nodes but backend.ray_address is null: launch "
                            "multi-node verl jobs with `python -m graft_exp.backends.verl.ray_slurm`")
-    ray.init(num_gpus=num_gpus, include_dashboard=False)
+    ray.init(num_gpus=num_gpus, include_dashboard=False, **init_kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.emit_ray_commands:
         print(ray_commands_for_allocation(args.gpus_per_node, args.cpus_per_node, args.port))
         return 0
-    script = sbatch_script(args.nodes, args.gpus_per_node, args.cpus_per_node, args.overrides,
-                           partition=args.partition, account=args.account, time=args.time, setup=args.setup,
-                           port=args.port)
+    try:
+        script = sbatch_script(args.nodes, args.gpus_per_node, args.cpus_per_node, args.overrides,
+                               partition=args.partition, account=args.account, time=args.time, setup=args.setup,
+                               port=args.port)
+    except ValueError as err:
+        parser.error(str(err))
     if not args.submit:
         print(script, end="")
         return 0
