@@ -2,20 +2,21 @@
 of ``python -m graft_exp <overrides>`` in the ray_slurm sbatch script, with the same overrides.
 
 It composes the job's config, joins the allocation's Ray cluster as the verl backend does
-(``start_local_ray``), builds both models' verl configs and their resource pools
+(``start_local_ray`` with ``ray_init_kwargs``: verl's runtime environment), builds both models' verl configs and their resource pools
 (``runtime.resource_pools``) and places the pools' placement groups. The backend's next step,
 ``VerlModel.start``, spawns the FSDP workers, which need CUDA. Prints one line ``PLACEMENT <json>``:
 the live Ray nodes with their resources, the node of every bundle of every pool, and what is left free.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import ray
 from hydra import compose, initialize_config_dir
 
-from graft_exp.backends.verl.config import verl_config
+from graft_exp.backends.verl.config import JOB_TOKEN_ENV, ray_init_kwargs, verl_config
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, resource_pools
 from graft_exp.config import register_schemas
@@ -24,9 +25,18 @@ from graft_exp.objective import LossSpec
 register_schemas()
 with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
     cfg = compose(config_name="config", overrides=sys.argv[1:])
-start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address)
 models = [VerlModel(role, verl_config(cfg, role, str(Path(cfg.checkpoint_root) / role)),
                     LossSpec.from_method(cfg.method)) for role in ("A", "B")]
+# As backends/verl/backend.create starts it: verl's runtime environment and this job's token on every actor.
+start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
+                init_kwargs=ray_init_kwargs(models[0].config))
+
+
+@ray.remote(num_cpus=0)
+def actor_env() -> dict:
+    return {key: os.environ.get(key) for key in ("VLLM_DISABLE_COMPILE_CACHE", JOB_TOKEN_ENV)}
+
+
 placed = {}
 for name, pool in resource_pools(models).resource_pool_dict.items():
     groups = pool.get_placement_groups(device_name="cuda")
@@ -34,4 +44,5 @@ for name, pool in resource_pools(models).resource_pool_dict.items():
 nodes = {n["NodeID"]: {"ip": n["NodeManagerAddress"], "CPU": n["Resources"].get("CPU", 0),
                        "GPU": n["Resources"].get("GPU", 0), "head": "node:__internal_head__" in n["Resources"]}
          for n in ray.nodes() if n["Alive"]}
-print("PLACEMENT " + json.dumps({"nodes": nodes, "pools": placed, "free": ray.available_resources()}), flush=True)
+print("PLACEMENT " + json.dumps({"nodes": nodes, "pools": placed, "free": ray.available_resources(),
+                                 "actor_env": ray.get(actor_env.remote())}), flush=True)

@@ -181,13 +181,14 @@ def create(cfg: DictConfig, roles: list[str]) -> VerlBackend:
     every model's worker group, vLLM replicas and checkpoint engine on split resource pools."""
     from verl.utils import hf_tokenizer
 
-    from graft_exp.backends.verl.config import data_files, model_path
+    from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
     from graft_exp.backends.verl.ray_slurm import start_local_ray
 
     backend = VerlBackend(cfg, roles)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
-    start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address)
+    start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
+                    init_kwargs=ray_init_kwargs(backend.models[roles[0]].config))
     with_ref = spec_needs_reference(backend.spec)
     start_models(list(backend.models.values()), with_ref=with_ref)
     return backend
