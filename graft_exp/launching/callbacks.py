@@ -6,7 +6,8 @@ In the launching process, before any job starts (``on_multirun_start``):
     is checked: concurrent first-time SQLite schema creation crashes jobs, and a dead server
     must fail before submission, not in hundreds of jobs;
   * on a parallel cluster, two jobs that would train one shared GRPO baseline at the same time
-    are refused (``python -m graft_exp.sweep`` orders such jobs);
+    are refused (``python -m graft_exp.sweep`` orders such jobs); on ``cluster=local``
+    (``cluster.in_order_when_needed``) the multirun runs its jobs one after another instead;
   * a ``graft_stored`` job whose peer GRPO n=8 log is neither in the store nor trained by an
     earlier job of this (sequential) multirun is refused;
   * submitit's "Bypassing sacct error" warning, printed at every poll where Slurm accounting is
@@ -34,7 +35,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import scheduler, tracking
 from graft_exp.config import ConfigError, validate
@@ -148,6 +149,23 @@ def shared_baseline_clashes(jobs: list[PlannedJob], finished_keys: set[str]) -> 
     return clashes
 
 
+def finished_keys(uris: set[str]) -> set[str]:
+    keys: set[str] = set()
+    for uri in uris:
+        runs = status.fetch_runs(uri)
+        keys |= set(runs.loc[runs["status"] == "FINISHED", "key"])
+    return keys
+
+
+def order_needs(jobs: list[PlannedJob], uris: set[str]) -> list[str]:
+    """Why the jobs of a multirun must run one after another (empty: they may overlap): shared
+    GRPO baselines two of them would train, stored-trajectory jobs replaying an earlier job's log."""
+    clashes = shared_baseline_clashes(jobs, finished_keys(uris))
+    stored = set(missing_stored_logs(jobs, parallel=True)) - set(missing_stored_logs(jobs, parallel=False))
+    return [f"{c} (a shared GRPO baseline)" for c in clashes] + [
+        f"{len(stored)} graft_stored job(s) replay the log of an earlier GRPO n=8 job"] * bool(stored)
+
+
 class FailureMonitor(threading.Thread):
     """Polls MLflow (and Slurm) for the jobs of a multirun; logs every start, finish and failure
     as it happens, with the log file of failed jobs."""
@@ -211,18 +229,22 @@ class LaunchCallback(Callback):
                 _experiments[(uri, experiment)] = tracking.ensure_store(uri, experiment)
         except tracking.TrackingError as err:
             fail_before_launch(f"nothing launched: {err}")
-        missing_logs = missing_stored_logs(jobs, bool(config.cluster.parallel))
+        parallel = bool(config.cluster.parallel)
+        if parallel and config.cluster.get("in_order_when_needed"):
+            reasons = order_needs(jobs, {uri for uri, _ in stores})
+            if reasons:
+                log.info("the %d jobs run one after another, in order: %s", len(jobs), "; ".join(reasons))
+                with read_write(config.hydra.launcher):
+                    config.hydra.launcher.n_jobs = 1   # the joblib launcher runs them in this order
+                parallel = False
+        missing_logs = missing_stored_logs(jobs, parallel)
         if missing_logs:
             fail_before_launch("nothing launched: stored-trajectory jobs have no log to replay:\n  "
                                + "\n  ".join(missing_logs) + "\n(`python -m graft_exp.sweep` launches "
                                "them after their GRPO n=8 jobs)")
         report_sacct_errors_once()
-        if config.cluster.parallel:
-            finished = set()
-            for uri in {uri for uri, _ in stores}:
-                runs = status.fetch_runs(uri)
-                finished |= set(runs.loc[runs["status"] == "FINISHED", "key"])
-            clashes = shared_baseline_clashes(jobs, finished)
+        if parallel:
+            clashes = shared_baseline_clashes(jobs, finished_keys({uri for uri, _ in stores}))
             if clashes:
                 fail_before_launch(
                     "nothing launched: jobs running at the same time would train the same shared "

@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
     poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
     try:
-        return run(sweep, args.overrides, args.out, parallel=bool(cluster and cluster.parallel), poll_s=poll)
+        # An exclusive cluster's multirun takes every core of this machine: one at a time.
+        overlap = bool(cluster and cluster.parallel and not cluster.get("exclusive"))
+        return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll)
     except tracking.TrackingError as err:
         console.print(f"[red]nothing launched:[/] {err}")
         return 2
