@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import tracking
+from graft_exp import reward, tracking
 from graft_exp.algorithms import (
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
@@ -50,7 +50,6 @@ from graft_exp.exchange import (
     select_prompts,
 )
 from graft_exp.objective import LossSpec
-from graft_exp.reward import rewards as verify_rewards
 from graft_exp.rollouts import Rollouts
 from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
 
@@ -232,6 +231,7 @@ class Driver:
         if self.method.source == "stored":
             stored = {role: download_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
                                                 self.root / "stored" / cfg.pair[PEER_OF[role]]) for role in ROLES}
+        reward.default_pool().start()   # the verification workers start while the models load
         runs = {role: tracking.open_model_run(cfg, job, role) for role in ROLES}
         # A co-trained pair needs both models even if one run was already closed (a job stopped between
         # its two final evaluations); a single-model baseline someone else finished is skipped.
@@ -262,7 +262,7 @@ class Driver:
         n = int(self.method.n)
         out = self.backend.sample(role, problems, n, derive_seed(self.cfg.seed, step, role, "rollout", attempt), step)
         golds = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor(verify_rewards([r for group in out.responses for r in group], golds)).view(-1, n)
+        rewards = torch.tensor(reward.rewards([r for group in out.responses for r in group], golds)).view(-1, n)
         rollouts = Rollouts(model=self.members[role].key, prompt_ids=[p.uid for p in problems],
                             responses=out.responses, rewards=rewards,
                             advantages=grpo_advantages(rewards, float(self.method.adv_eps)),
@@ -306,7 +306,7 @@ class Driver:
                              "(different data order or batch size); replay needs the same seed and train settings")
         golds = [p.answer for p in own.problems for _ in range(source.n)]
         flat = [r for group in source.responses for r in group]
-        source.rewards = torch.tensor(verify_rewards(flat, golds)).view(-1, source.n)
+        source.rewards = torch.tensor(reward.rewards(flat, golds)).view(-1, source.n)
         source.advantages = grpo_advantages(source.rewards, float(self.method.adv_eps))
         return source
 

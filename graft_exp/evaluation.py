@@ -46,12 +46,17 @@ def evaluate(generate: Generate, benchmarks: Mapping[str, Sequence[Task]], sampl
     names = list(benchmarks)
     problems = [p for name in names for p in benchmarks[name]]
     responses = generate([p.prompt for p in problems], samples, temperature, top_p, seed)
+    # One reward call for everything, so that verification uses every core of the reward pool.
+    flat = verify_rewards([r for row in responses for r in row], [p.answer for p, row in zip(problems, responses)
+                                                                  for _ in row])
+    correct, start = [], 0
+    for row in responses:
+        correct.append(flat[start:start + len(row)])
+        start += len(row)
     scores, start = {}, 0
     for name in names:
-        block = problems[start:start + len(benchmarks[name])]
-        rows = responses[start:start + len(block)]
-        scores[name] = pass_at_1([verify_rewards(r, [p.answer] * len(r)) for p, r in zip(block, rows)])
-        start += len(block)
+        scores[name] = pass_at_1(correct[start:start + len(benchmarks[name])])
+        start += len(benchmarks[name])
     scores[AVG] = sum(scores[name] for name in names) / len(names)
     return scores
 
