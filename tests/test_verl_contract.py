@@ -1,0 +1,345 @@
+"""The verl backend through the shared driver (``graft_exp.driver``) on the tiny pair, on CPU: for graft, sgt,
+hacpo and grpo_ds a step, a checkpoint, a resume by a new driver of the same MLflow run, a second step,
+validation at every step and the final evaluation of the best checkpoint.
+
+Stood in, and only these (verl cannot run them without GPUs and Ray):
+- each model's FSDP engine worker group: ``verl_standins.EngineWorkerGroup`` at data-parallel size 2;
+- its vLLM replicas: ``ModelServer`` below answers verl's ``LLMServerClient.generate`` (token ids in, sampled
+  token ids out) from the worker group's current model, so the checkpoint engine has nothing to sync
+  (``NoWeightSync``);
+- Ray's actors around verl's agent-loop workers (``InProcessAgentLoop``: verl's ``AgentLoopManager`` with its
+  ``AgentLoopWorker`` objects in this process).
+
+verl's own code does the rest: ``RLHFDataset`` over Parquet written by ``graft_exp.prepare``, its agent loop
+(chat template, ``single_turn_agent``, padding into ``prompts``/``responses``/``input_ids``/... and the
+performance metrics), DataProto/TensorDict assembly, the split at dp = 2, micro-batching,
+``Metric.aggregate_dp``, the optimizer, LR scheduler and ``FSDPCheckpointManager``, and our loss registered
+with ``set_loss_fn``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from transformers import AutoConfig, AutoTokenizer
+from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
+from verl.utils import hf_tokenizer
+from verl.workers.rollout.replica import TokenOutput
+from verl_standins import EngineWorkerGroup
+
+from graft_exp import driver, schema, tracking
+from graft_exp.backends.local_policy import top_p_filter
+from graft_exp.backends.verl.backend import VerlBackend, spec_needs_reference
+from graft_exp.backends.verl.config import data_files, model_path
+from graft_exp.backends.verl.loss import IS_PEER, SFT, WEIGHT
+from graft_exp.driver import derive_seed
+from graft_exp.prepare import Source, verl_rows, write_parquet
+from graft_exp.tiny.models import ASSETS, EVAL_SIZE, RECIPES, model_input
+from graft_exp.tiny.task import SKILLS, benchmark, train_split
+
+torch.set_num_threads(1)
+DP_SIZE = 2
+TRAIN_PROBLEMS, BENCH_PROBLEMS = 64, 2
+#: The tiny models are base models conditioned on ``tiny.models.model_input(prompt)``: the prompt, then
+#: ``SEPARATOR``. As a chat template (which verl's agent loop applies to the dataset's messages):
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}")
+SMALL = ["train.batch_prompts=8", "train.minibatch_prompts=4", "method.hacpo.minibatch_prompts=4",
+         "train.max_steps=2", "train.save_every=1", "train.max_prompt_length=128", "train.max_response_length=48",
+         "eval.val_every=1", "eval.val_samples=1", "eval.runs=2", "eval.samples=1", "backend.progress=false",
+         "backend.gpus_per_model=2", "backend.rollout_tp=1", "backend.agent_workers=1",
+         "backend.max_token_len_per_gpu=512", "pair.gpus=4"]
+METHODS = ["graft", "sgt", "hacpo", "grpo_ds"]
+
+
+# ------------------------------------------------------------------------------------ stand-ins
+class NoWeightSync:
+    """verl's ``CheckpointEngineManager`` for replicas that read the trainer's weights directly: a sync only
+    starts the server's next weight version (which seeds its sampling)."""
+
+    def __init__(self, server: ModelServer):
+        self.server = server
+        self.calls = {"update_weights": 0, "sleep_replicas": 0}
+
+    def update_weights(self, global_steps: int | None = None) -> None:
+        self.calls["update_weights"] += 1
+        self.server.version += 1
+
+    def sleep_replicas(self) -> None:
+        self.calls["sleep_replicas"] += 1
+
+
+class ModelServer:
+    """The model's vLLM replicas as verl's agent loop calls them (``LLMServerClient.generate``): prompt token
+    ids in, sampled response token ids out, ending with a stop token of the model's generation config (kept,
+    as vLLM keeps an EOS) or at ``rollout.response_length``; sampled from the worker group's current model at
+    the request's temperature and top-p. The agent loop sends one request per sample, concurrently; requests
+    that arrive together are sampled as one left-padded, KV-cached batch (as vLLM batches them). Each request
+    draws from its own generator, seeded by the weight version and the request's priority (verl's index of
+    the sample in the batch), so the samples do not depend on how requests were batched."""
+
+    def __init__(self, wg: EngineWorkerGroup, stop_ids: list[int], response_length: int, seed: int):
+        self.wg, self.stop_ids, self.response_length, self.seed = wg, stop_ids, response_length, seed
+        self.version = 0
+        self.prompts: set[tuple[int, ...]] = set()     # every prompt it was sent (tests read them)
+        self.pending: list[tuple[list[int], dict, int, asyncio.Future]] = []
+        self.flushes: list[asyncio.Task] = []
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, priority: int = 0,
+                       **_media) -> TokenOutput:
+        future = asyncio.get_running_loop().create_future()
+        self.prompts.add(tuple(prompt_ids))
+        self.pending.append((list(prompt_ids), dict(sampling_params), int(priority), future))
+        if len(self.pending) == 1:
+            self.flushes = [t for t in self.flushes if not t.done()] + [asyncio.ensure_future(self._flush())]
+        return await future
+
+    async def _flush(self) -> None:
+        seen = -1
+        while seen != len(self.pending):          # until the event loop brings no further request
+            seen = len(self.pending)
+            await asyncio.sleep(0.01)
+        batch, self.pending = self.pending, []
+        try:
+            if any(params != batch[0][1] for _, params, _, _ in batch):
+                raise ValueError("one generate_sequences call sends one set of sampling parameters")
+            outputs = self._sample([p for p, _, _, _ in batch], [q for _, _, q, _ in batch], batch[0][1])
+        except Exception as err:  # noqa: BLE001 (each waiting request fails with the sampler's error, none hangs)
+            for *_, future in batch:
+                future.set_exception(err)
+            return
+        for (*_, future), ids in zip(batch, outputs):
+            future.set_result(TokenOutput(token_ids=ids, stop_reason="completed"))
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], priorities: list[int], params: dict) -> list[list[int]]:
+        model, pad = self.wg.model, self.wg.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
+        generators = [torch.Generator().manual_seed(derive_seed(self.seed, self.version, q)) for q in priorities]
+        temperature, top_p = float(params["temperature"]), float(params["top_p"])
+        position = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        result = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
+        position = position[:, -1:]
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        responses: list[list[int]] = [[] for _ in prompts]
+        for _ in range(self.response_length):
+            logits = result.logits[:, -1].float()
+            if temperature > 0:
+                probs = top_p_filter(torch.softmax(logits / temperature, dim=-1), top_p)
+                token = torch.cat([torch.multinomial(probs[row], 1, generator=gen) for row, gen in enumerate(generators)])
+            else:
+                token = logits.argmax(dim=-1)
+            for row in torch.nonzero(~done).flatten().tolist():
+                responses[row].append(int(token[row]))
+            done |= torch.isin(token, torch.tensor(self.stop_ids))
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = position + 1
+            result = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position,
+                           past_key_values=result.past_key_values, use_cache=True)
+        return responses
+
+
+class _LocalActor:
+    """A Ray actor handle's ``handle.method.remote(...)`` for an object in this process (an awaitable)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        method = getattr(self.target, name)
+        return type("RemoteMethod", (), {"remote": staticmethod(method)})
+
+
+class InProcessAgentLoop(AgentLoopManager):
+    """verl's ``AgentLoopManager`` whose ``AgentLoopWorker``s live in this process instead of Ray actors."""
+
+    async def _init_agent_loop_workers(self):
+        self.agent_loop_workers = [_LocalActor(AgentLoopWorker(self.config, self.llm_client))
+                                   for _ in range(int(self.rollout_config.agent.num_workers))]
+
+
+class CountingWorkerGroup(EngineWorkerGroup):
+    """The engine stand-in, also counting the rows each ``update_actor`` call trains on (tests read them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = {"own": 0, "peer": 0, "sft": 0}
+
+    def update_actor(self, data):
+        real = data[WEIGHT] > 0
+        peer, sft = data[IS_PEER].bool(), data[SFT].bool()
+        self.trained["own"] += int((real & ~peer).sum())
+        self.trained["peer"] += int((real & peer).sum())
+        self.trained["sft"] += int(sft.sum())
+        return super().update_actor(data)
+
+
+def standin_backend(cfg, roles: list[str]) -> VerlBackend:
+    """``backend.create`` without Ray: verl's datasets and ``VerlModel``s, each attached to the stand-ins."""
+    backend = VerlBackend(cfg, roles)
+    train_file, val_files = data_files(cfg)
+    backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
+    for model in backend.models.values():
+        config = model.config
+        if not AutoConfig.from_pretrained(config.actor_rollout_ref.model.path).architectures[0].endswith("ForCausalLM"):
+            # verl's checkpoint manager picks the class of its Hugging Face export by the architecture's name
+            # (*ForCausalLM, ...); GPT-2's GPT2LMHeadModel predates that convention, so the tiny GPT-2 keeps
+            # verl's sharded checkpoint without the export (the paper's models are all *ForCausalLM).
+            config.actor_rollout_ref.actor.checkpoint.save_contents = ["model", "optimizer", "extra"]
+        wg = CountingWorkerGroup(config.actor_rollout_ref.model.path, config.actor_rollout_ref, DP_SIZE,
+                                 with_ref=spec_needs_reference(backend.spec))
+        model.attach(wg, wg.tokenizer, wg.model.generation_config)
+        server = ModelServer(wg, model.stop_ids, int(config.actor_rollout_ref.rollout.response_length),
+                             seed=derive_seed(cfg.seed, model.role, "server"))
+        model.agent_loop = InProcessAgentLoop.create(config=config, llm_client=server)
+        model.checkpoints = NoWeightSync(server)
+    backends.append(backend)
+    return backend
+
+
+backends: list[VerlBackend] = []   # every backend the factory built, in order (tests inspect them)
+
+
+# ------------------------------------------------------------------------------------ data, models
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """What ``python -m graft_exp.prepare`` leaves for the verl backend, for the tiny pair: the tiny task as
+    verl Parquet (training split as ``math``, one benchmark per skill) and the model snapshots, whose
+    tokenizers carry the chat template of the tiny prompt format."""
+    root = tmp_path_factory.mktemp("verl_prepared")
+    fields = {"question": "question", "answer": "answer"}
+    train = [vars(p) for p in train_split(SKILLS, EVAL_SIZE, TRAIN_PROBLEMS)]
+    write_parquet(verl_rows(train, Source("math", "tiny", "train", rows=len(train), output="train", **fields)),
+                  Source("math", "tiny", "train", rows=len(train), output="train", **fields), root / "data")
+    for skill in SKILLS:
+        source = Source(skill, "tiny", "test", rows=BENCH_PROBLEMS, **fields)
+        write_parquet(verl_rows([vars(p) for p in benchmark(skill, EVAL_SIZE)[:BENCH_PROBLEMS]], source), source,
+                      root / "data")
+    for key in RECIPES:
+        target = root / "models" / key
+        shutil.copytree(ASSETS / key, target)
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(target)
+    return root
+
+
+def test_chat_template_renders_the_tiny_prompt_format(prepared):
+    for key in RECIPES:
+        tokenizer = AutoTokenizer.from_pretrained(prepared / "models" / key)
+        prompt = "Compute 2+3."
+        assert tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False) == model_input(prompt)
+
+
+# ------------------------------------------------------------------------------------ the contract
+def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    run = client.get_run(run_id)
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics}
+
+
+def model_runs(client: MlflowClient, job_id: str) -> dict[str, object]:
+    exp = client.get_run(job_id).info.experiment_id
+    runs = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{job_id}'")
+    return {r.data.tags["graft.role"]: r for r in runs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, tmp_path, method):
+    """Step 1, checkpoint, stop (a preempted job); a new driver resumes the same MLflow run from the
+    checkpoint, trains step 2, validates, evaluates the best checkpoint and closes the runs."""
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    # The exchange methods need both directions' complementary prompts in a batch: 8 prompts (at seed 0
+    # every step of each exchanges). DAPO needs no peer; 4 prompts keep its refills short.
+    batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"] if method == "grpo_ds" else []
+
+    def make_job():
+        cfg = compose_cfg("backend=verl", "pair=tiny", "pair.data=math", f"method={method}",
+                          f"backend.data_dir={prepared / 'data'}", f"backend.model_dir={prepared / 'models'}",
+                          f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
+                          *SMALL, *batch)
+        return cfg, tracking.open_job(cfg)
+
+    backends.clear()
+    cfg, job = make_job()
+    assert driver.fit(cfg, job, standin_backend, stop_at_step=1) == {}
+    job.finish("KILLED")
+    run_dir = tmp_path / "ckpt" / tracking.run_key(cfg)
+    assert sorted(p.name for p in run_dir.glob("ckpt-*")) == ["ckpt-1"]
+    for role in ("A", "B"):
+        latest = run_dir / "ckpt-1" / role
+        assert (latest / "latest_checkpointed_iteration.txt").read_text() == "1"
+        assert (latest / "global_step_1" / "huggingface" / "config.json").is_file()
+    assert json.loads((run_dir / "ckpt-1" / "driver.json").read_text())["step"] == 1
+
+    cfg, resumed = make_job()
+    assert resumed.resumed and resumed.run_id == job.run_id
+    scores = driver.fit(cfg, resumed, standin_backend)
+    resumed.finish("FINISHED")
+    assert set(scores) == {"A", "B"}
+
+    first, second = backends
+    for backend in (first, second):
+        for model in backend.models.values():
+            assert model.wg.calls["update_actor"] >= 1          # each driver trained its step
+            assert model.checkpoints.calls["update_weights"] == model.checkpoints.calls["sleep_replicas"]
+    for model in second.models.values():
+        assert model.wg.calls["load_checkpoint"] >= 1           # the resume read verl's checkpoint
+    if method == "hacpo":                                       # its KL term's reference pass
+        assert all(m.wg.calls.get("compute_ref_log_prob", 0) >= 1 for b in backends for m in b.models.values())
+    # verl's agent loop rendered each dataset prompt with the model's chat template: the tiny prompt format
+    texts = {model_input(p.prompt) for p in train_split(SKILLS, EVAL_SIZE, TRAIN_PROBLEMS)}
+    texts |= {model_input(p.prompt) for skill in SKILLS for p in benchmark(skill, EVAL_SIZE)[:BENCH_PROBLEMS]}
+    for backend in backends:
+        for model in backend.models.values():
+            sent = {model.tokenizer.decode(list(ids)) for ids in model.agent_loop.llm_client.prompts}
+            assert sent and sent <= texts, sorted(sent - texts)[:3]
+    trained = {role: {k: first.models[role].wg.trained[k] + second.models[role].wg.trained[k]
+                      for k in ("own", "peer", "sft")} for role in ("A", "B")}
+
+    client = resumed.client
+    job_metrics = histories(client, job.run_id)
+    assert all(schema.known_metric(k, "job") for k in job_metrics), sorted(job_metrics)
+    assert [s for s, _ in job_metrics["cost/gpu_hours"]] == [1, 2]
+    runs = model_runs(client, job.run_id)
+    assert set(runs) == {"A", "B"}
+    for role, run in runs.items():
+        tags = run.data.tags
+        assert run.info.status == "FINISHED"
+        assert all(schema.known_tag(k) for k in tags if k.startswith("graft.")), sorted(tags)
+        assert tags["graft.backend"] == "verl" and tags["graft.method"] == method
+        assert int(tags["graft.best_step"]) in (1, 2)                # a trained step, never step 0
+        metrics = histories(client, run.info.run_id)
+        assert all(schema.known_metric(k, "model") for k in metrics), sorted(metrics)
+        for key in ("train/reward_mean", "train/loss", "train/clipfrac_self", "cost/gpu_hours"):
+            assert [s for s, _ in metrics[key]] == [1, 2], (key, metrics[key])   # each step logged once
+        assert [s for s, _ in metrics["val/avg"]] == [0, 1, 2]
+        assert [s for s, _ in metrics["test/avg"]] == [0, 1]
+        assert {f"test/{b}" for b in SKILLS} <= set(metrics)
+        assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        if method == "grpo_ds":
+            assert trained[role]["peer"] == trained[role]["sft"] == 0
+            assert "train/peer_groups" not in metrics
+        else:
+            assert [s for s, _ in metrics["train/peer_groups"]] == [1, 2]
+    if method != "grpo_ds":
+        # peer rows reached verl's update (SGT: its NLL rows), in at least one direction
+        key = "sft" if method == "sgt" else "peer"
+        assert trained["A"][key] + trained["B"][key] > 0, trained
+        peer_groups = {role: sum(v for _, v in histories(client, r.info.run_id)["train/peer_groups"])
+                       for role, r in runs.items()}
+        assert sum(peer_groups.values()) > 0, peer_groups
