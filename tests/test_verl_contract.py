@@ -246,6 +246,23 @@ def test_chat_template_renders_the_tiny_prompt_format(prepared):
 
 
 # ------------------------------------------------------------------------------------ the contract
+def verl_cfg(compose_cfg, prepared: Path, tmp_path: Path, *overrides: str):
+    """The tiny pair on backend=verl (not ``config.validate``d: it refuses verl for the CPU test-bed pair),
+    reading the prepared data and models, tracking and checkpoints under ``tmp_path``."""
+    return compose_cfg("backend=verl", "pair=tiny", "pair.data=math", f"backend.data_dir={prepared / 'data'}",
+                       f"backend.model_dir={prepared / 'models'}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                       f"checkpoint_root={tmp_path}/ckpt", *SMALL, *overrides)
+
+
+def test_an_overlong_prompt_stops_the_job_before_training(compose_cfg, prepared, tmp_path):
+    """verl's agent loop would cut a prompt longer than train.max_prompt_length from the front, silently;
+    the backend refuses at build time, naming the row, its length under the model's chat template, the limit."""
+    cfg = verl_cfg(compose_cfg, prepared, tmp_path, "method=graft", "train.max_prompt_length=64")
+    train_file, val_files = data_files(cfg)
+    with pytest.raises(ValueError, match=r"row 0 of .* is \d+ tokens for .*tiny-char-llama.*max_prompt_length=64"):
+        VerlBackend(cfg, ["A", "B"]).build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
+
+
 def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
     run = client.get_run(run_id)
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics}
@@ -268,10 +285,7 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
     batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"] if method == "grpo_ds" else []
 
     def make_job():
-        cfg = compose_cfg("backend=verl", "pair=tiny", "pair.data=math", f"method={method}",
-                          f"backend.data_dir={prepared / 'data'}", f"backend.model_dir={prepared / 'models'}",
-                          f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
-                          *SMALL, *batch)
+        cfg = verl_cfg(compose_cfg, prepared, tmp_path, f"method={method}", *batch)
         return cfg, tracking.open_job(cfg)
 
     backends.clear()

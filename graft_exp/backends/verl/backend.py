@@ -17,7 +17,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 from verl import DataProto
+from verl.utils import hf_tokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+from verl.utils.tokenizer import normalize_token_ids
+from verl.utils.tokenizer.chat_template import apply_chat_template
 
 from graft_exp import tracking
 from graft_exp.algorithms import sequence_log_prob_sums
@@ -51,6 +54,22 @@ def dataset_problems(dataset: RLHFDataset) -> list[tuple[str, Problem]]:
     return [(str(source), Problem(str(row), messages[-1]["content"], gold["ground_truth"], row))
             for row, (messages, gold, source) in enumerate(zip(frame[dataset.prompt_key], frame["reward_model"],
                                                                frame["data_source"]))]
+
+
+def check_prompt_lengths(dataset: RLHFDataset, tokenizer, max_length: int, model: str,
+                         chat_template_kwargs: dict | None = None) -> None:
+    """Every prompt of ``dataset`` fits ``max_length`` tokens once rendered as verl's agent loop renders it
+    for ``model`` (its chat template with the generation prompt). verl 0.9.1's agent loop left-truncates a
+    longer prompt with only a warning (the dataset's ``truncation: error`` is no longer applied): the model
+    would be sampled, rewarded and trained on a problem cut from the front. Raises naming the first."""
+    for row, messages in enumerate(dataset.dataframe[dataset.prompt_key]):
+        length = len(normalize_token_ids(apply_chat_template(tokenizer, list(messages), tokenize=True,
+                                                             add_generation_prompt=True,
+                                                             **(chat_template_kwargs or {}))))
+        if length > max_length:
+            raise ValueError(f"row {row} of {dataset.data_files} is {length} tokens for {model} with its chat template, "
+                             f"more than train.max_prompt_length={max_length}; verl's agent loop would cut it from "
+                             "the front. Raise train.max_prompt_length")
 
 
 def gather_groups(parts: list[tuple[DataProto, list[int]]], n: int) -> DataProto:
@@ -88,6 +107,14 @@ class VerlBackend:
         steps = total_steps(self.cfg, len(self._problems))
         self.models = {role: VerlModel(role, verl_config(self.cfg, role, str(self.dir / role), training_steps=steps),
                                        self.spec) for role in self.roles}
+        for model in self.models.values():
+            path = model.config.actor_rollout_ref.model.path
+            rendering = hf_tokenizer(path)
+            if model.config.actor_rollout_ref.model.get("custom_chat_template"):   # as verl's agent loop applies it
+                rendering.chat_template = model.config.actor_rollout_ref.model.custom_chat_template
+            for dataset in (self.train_set, self.val_set):
+                check_prompt_lengths(dataset, rendering, int(model.config.actor_rollout_ref.rollout.prompt_length),
+                                     path, model.config.data.get("apply_chat_template_kwargs"))
 
     def problems(self) -> list[Problem]:
         return self._problems
