@@ -249,19 +249,23 @@ def test_state_of_a_run_follows_its_slurm_job(slurm, workdir):
 
 def test_suite_never_submits_to_a_slurm_it_did_not_start(own_slurm, tmp_path):
     """A decoy "site" cluster answers here, and SLURM_CONF points to it (as on a login node); a pytest
-    session of the 2-job sweep test still runs its jobs on a cluster of its own (its assertions check
-    that): the decoy's queue and its record of finished jobs stay empty, and it never saw a submission."""
+    session of a test that submits a job (sbatch, as submitit does) and follows it in the queue still
+    passes, on a cluster of its own: the decoy's queue and its record of finished jobs stay empty, and its
+    controller never received a submission. (The 2-job sweep test checks on whose nodes sweeps run.)"""
     decoy = PrivateSlurm(tmp_path / "site", nodes=1, gpus=0, netns=False).start()
     try:
         assert decoy.run("sinfo", "-h", "-o", "%T").stdout.split() == ["idle"]     # the site answers
         inner = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}",
-             f"{Path(__file__)}::test_two_job_sweep_through_slurm"],
+             f"{Path(__file__)}::test_state_of_a_run_follows_its_slurm_job"],
             env={**os.environ, "SLURM_CONF": str(decoy.conf)}, cwd=ROOT, capture_output=True, text=True,
-            timeout=900, check=False)
+            timeout=300, check=False)
         assert inner.returncode == 0 and "1 passed" in inner.stdout, inner.stdout[-4000:] + inner.stderr[-2000:]
         assert decoy.run("squeue", "-h").stdout == ""
         assert completed_jobs(decoy) == {}
-        assert "submit_batch_job" not in (decoy.root / "log" / "slurmctld.log").read_text()
+        assert "_slurm_rpc_submit_batch_job" not in (decoy.root / "log" / "slurmctld.log").read_text()
+        # ... and the inner session's own controller did (tmp_path_factory.mktemp("slurm") in its basetemp).
+        own = tmp_path / "inner" / "slurm0" / "log" / "slurmctld.log"
+        assert "_slurm_rpc_submit_batch_job" in own.read_text()
     finally:
         decoy.stop()
