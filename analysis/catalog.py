@@ -125,12 +125,15 @@ SWEEP_FILES = {
     "stored": "sweeps/stored.yaml",
     "clip_dynamics": "sweeps/clip_dynamics.yaml",
     "compute": "sweeps/compute.yaml",
+    "tiny": "sweeps/tiny.yaml",
 }
 
 
-def sweep_for(table: str, method: str, seed: int) -> str:
-    """The sweep file whose runs fill a cell of ``table`` for ``method`` and ``seed``."""
-    if table == "clipfrac-position":
+def sweep_for(table: str, method: str, seed: int, model: str | None = None) -> str:
+    """The sweep file whose runs fill a cell of ``table`` for ``method`` and ``seed`` (of ``model``)."""
+    if model in PAIRS["tiny"]:
+        study = "tiny"     # every study of the tiny pair is one sweep file
+    elif table == "clipfrac-position":
         study = "clip_dynamics"
     elif table == "training-variance" and seed != 0:
         study = "stability"

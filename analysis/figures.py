@@ -265,8 +265,110 @@ def compute_conservative(a: Analysis, compute_table: tables.Table, out: Path) ->
     return _save(draw_compute_conservative(points), out, "compute-conservative", points)
 
 
+# --- seed studies (sweeps/tiny.yaml) ------------------------------------------------------------------------
+
+SEED_CURVE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt", "graft", "graft_stored")
+
+
+def seed_curve_points(a: Analysis) -> pd.DataFrame:
+    """Validation average (%) per (pair, updated model, method, step): mean over seeds, its 95% Student-t
+    half-width and the number of seeds; the selected checkpoints' steps are in ``best_steps``."""
+    records = []
+    for pair in a.seed_study_pairs():
+        model_a, model_b = a.pairs[pair]
+        for model, peer in ((model_a, model_b), (model_b, model_a)):
+            for method in [m for m in SEED_CURVE_METHODS if a.ran(m, pair)]:
+                curves, best = {}, []
+                for seed in a.seeds_of(pair):
+                    run_id = a.find("val-curves-seeds", method, model,
+                                    "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed,
+                                    need_tests=False)
+                    if run_id:
+                        curves[seed] = a.store.series(run_id, "val/avg") * a.scale
+                        best.append(a.best_step(run_id))
+                if not curves:
+                    continue
+                frame = pd.DataFrame(curves)
+                for step, values in frame.iterrows():
+                    records.append({"pair": pair, "updated_model": model, "method": method, "step": step,
+                                    "mean": values.mean(), "ci": rules.confidence_halfwidth(values),
+                                    "seeds": int(values.notna().sum()),
+                                    "best_steps": " ".join(f"{b:g}" for b in best)})
+    return pd.DataFrame(records, columns=["pair", "updated_model", "method", "step", "mean", "ci", "seeds",
+                                          "best_steps"])
+
+
+def draw_seed_curves(points: pd.DataFrame):
+    """One panel per updated model: each method's mean validation curve over seeds with its 95% band."""
+    panels = list(dict.fromkeys(zip(points["pair"], points["updated_model"]))) or [("", "")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    for ax, (pair, model) in zip(axes[0], panels):
+        part = points[(points["pair"] == pair) & (points["updated_model"] == model)]
+        for method, curve in part.groupby("method", sort=False):
+            color = COLORS.get(method, "black")
+            ax.plot(curve["step"], curve["mean"], color=color, lw=1.4, label=catalog.method_display(method))
+            ax.fill_between(curve["step"], curve["mean"] - curve["ci"].fillna(0),
+                            curve["mean"] + curve["ci"].fillna(0), color=color, alpha=0.12, lw=0)
+        if part.empty:
+            _note_empty(ax, "no seed study")
+        ax.set_title(f"{catalog.model_display(model)} ({pair})" if model else "", fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("validation avg (%), mean over seeds")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def seed_curves(a: Analysis, out: Path) -> list[Path]:
+    """The validation curves of a seed study: mean over seeds with 95% bands (the tiny Fig. 5)."""
+    points = seed_curve_points(a)
+    return _save(draw_seed_curves(points), out, "val-curves-seeds", points)
+
+
+def seed_budget_points(compute_table: tables.Table) -> pd.DataFrame:
+    """Pair-average score (mean over seeds, and the 95% interval of its paired difference to GRPO (n=8))
+    against the device-hours of both models to their selected checkpoints, mean over seeds."""
+    records = [{"pair": r.extra.get("pair"), "method": r.method, "score": r.stats.get(f"{rules.AVG}_mean"),
+                "score_std": r.stats.get(f"{rules.AVG}_std"), "seeds": r.extra.get("seeds"),
+                "vs_grpo_n8": r.extra.get("vs_grpo_n8_mean"), "vs_grpo_n8_lo": r.extra.get("vs_grpo_n8_lo"),
+                "vs_grpo_n8_hi": r.extra.get("vs_grpo_n8_hi"), "gpuh": r.extra.get("joint_gpuh_best")}
+               for r in compute_table.rows]
+    return pd.DataFrame(records, columns=["pair", "method", "score", "score_std", "seeds", "vs_grpo_n8",
+                                          "vs_grpo_n8_lo", "vs_grpo_n8_hi", "gpuh"])
+
+
+def draw_seed_budget(points: pd.DataFrame):
+    """Score vs device-hours, one point per method; error bars: the 95% interval of the paired difference
+    to GRPO (n=8), drawn around the method's mean (GRPO (n=8) itself has none)."""
+    drawn = points.dropna(subset=["score", "gpuh"])
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    if drawn.empty:
+        _note_empty(ax, "no seed study")
+    for _, p in drawn.iterrows():
+        lo, hi = p["vs_grpo_n8_lo"] - p["vs_grpo_n8"], p["vs_grpo_n8_hi"] - p["vs_grpo_n8"]
+        yerr = None if pd.isna(lo) else [[-lo], [hi]]
+        ax.errorbar(p["gpuh"], p["score"], yerr=yerr, fmt="o", capsize=3, color=COLORS.get(p["method"], "black"),
+                    label=catalog.method_display(p["method"]).replace("Dynamic Sampling", "DS"))
+    ax.set_xlabel("device-hours (both models, to selected checkpoints)")
+    ax.set_ylabel("pair average score (%), mean over seeds")
+    ax.grid(alpha=0.3)
+    if len(drawn):
+        ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+def seed_budget(a: Analysis, out: Path) -> list[Path]:
+    """The compute figure of a seed study (the tiny Fig. 3a), from the compute-seeds table."""
+    points = seed_budget_points(tables.compute_seeds(a))
+    return _save(draw_seed_budget(points), out, "pair-budget-seeds", points)
+
+
 def build_all(a: Analysis, out: Path) -> list[Path]:
     """Every figure into ``out`` (PNG and PDF); missing runs leave gaps and are logged on ``a.missing``."""
     compute_table = tables.compute(a)
     return [*validation_curves(a, out), *rescue_fraction(a, out), *pair_budget(a, compute_table, out),
-            *stored_vs_online(a, out), *compute_conservative(a, compute_table, out)]
+            *stored_vs_online(a, out), *compute_conservative(a, compute_table, out), *seed_curves(a, out),
+            *seed_budget(a, out)]

@@ -345,7 +345,84 @@ def hparams_tex(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- seed-study tables (main-seeds, ablation-seeds, replay-seeds, compute-seeds) ---------------------------
+
+def _references(table: Table) -> list[str]:
+    """The references of a seed table's paired-difference columns, GRPO (n=8) first."""
+    found = {k[len("vs_"):-len("_mean")] for row in table.rows for k in row.extra if k.startswith("vs_")
+             and k.endswith("_mean")}
+    return sorted(found, key=lambda r: (r != "grpo_n8", r))
+
+
+def _paired(row: Row, reference: str, tex: bool = False) -> str:
+    if row.method == reference:
+        return r"\refrow" if tex else "—"
+    mean, lo, hi = (row.extra.get(f"vs_{reference}_{k}", math.nan) for k in ("mean", "lo", "hi"))
+    if pd.isna(mean):
+        return "--" if tex else MISSING
+    interval = "" if pd.isna(lo) else f" [{lo:+.2f}, {hi:+.2f}]"
+    return f"${mean:+.2f}${interval}" if tex else f"{mean:+.2f}{interval}"
+
+
+COST_HEADERS = {"joint_gpuh_best": "device-h to best ckpts", "joint_gpuh_full": "device-h, full runs"}
+
+
+def _seed_columns(table: Table) -> tuple[list[str], list[str]]:
+    """The header after "Method", and the cost columns present (the compute table's, both models)."""
+    costs = [c for c in COST_HEADERS if any(c in r.extra for r in table.rows)]
+    header = [*map(catalog.bench_display, table.benches), "Avg. (± s.d. over seeds)", "seeds",
+              *(f"Δ Avg vs {catalog.method_display(r)} [95% CI]" for r in _references(table)),
+              *(COST_HEADERS[c] for c in costs)]
+    return header, costs
+
+
+def _seed_cells(row: Row, table: Table, costs: list[str], tex: bool) -> list[str]:
+    cell = _tex_cell if tex else _md_cell
+    seeds = f"{row.extra.get('seeds', 0)}/{row.extra.get('of_seeds', 0)}"
+    return [*(cell(row, c) for c in [*table.benches, AVG]), seeds,
+            *(_paired(row, r, tex) for r in _references(table)),
+            *(fmt(row.extra.get(c), 4) for c in costs)]
+
+
+def seeds_md(table: Table) -> str:
+    header, costs = _seed_columns(table)
+    header = ["Method", *header]
+    note = (f"{table.caption} Each training run counts once: the mean of its evaluation runs. Δ: paired (same "
+            "seed) difference of Avg., mean over seeds with its 95% Student-t interval.")
+    lines = [note, "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    blank = " |" * (len(header) - 1)
+    for item in table.items:
+        if isinstance(item, Band):
+            lines.append(f"| {'**' if item.level == 'pair' else '*'}{item.text}"
+                         f"{'**' if item.level == 'pair' else '*'}{blank}")
+        else:
+            label = f"**{item.label}**" if item.ours else item.label
+            lines.append("| " + " | ".join([label, *_seed_cells(item, table, costs, tex=False)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seeds_tex(table: Table) -> str:
+    header, costs = _seed_columns(table)
+    columns = len(header) + 1
+    lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{tex_text(table.caption)}}}",
+             rf"\label{{tab:{table.label}}}", r"\renewcommand{\NC}{" + str(columns) + "}", r"\resizebox{\linewidth}{!}{",
+             rf"\begin{{tabular}}{{@{{}}l{'c' * (columns - 1)}@{{}}}}", r"\toprule",
+             " & ".join(["Method", *(tex_text(h).replace("Δ", r"$\Delta$").replace("±", r"$\pm$")
+                                     for h in header)]) + r" \\", r"\midrule"]
+    for item in table.items:
+        if isinstance(item, Band):
+            lines.append(rf"\{'pairband' if item.level == 'pair' else 'modelband'}{{{tex_text(item.text)}}}")
+        else:
+            prefix = r"\oursrow " if item.ours else ""
+            lines.append(prefix + " & ".join([tex_text(item.label), *_seed_cells(item, table, costs, tex=True)])
+                         + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}}", r"\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS = {
+    "seeds": (seeds_md, seeds_tex),
     "results": (results_md, results_tex),
     "ablation": (ablation_md, ablation_tex),
     "compute": (compute_md, compute_tex),

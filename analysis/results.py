@@ -14,7 +14,7 @@ from functools import cached_property
 import pandas as pd
 
 from analysis import catalog, rules
-from analysis.store import RunStore
+from analysis.store import RunStore, seed_study_pairs
 
 log = logging.getLogger("analysis")
 
@@ -96,6 +96,25 @@ class Analysis:
         named = set(runs["pair"].dropna())
         return [p for p in self.pairs if p in named] or [catalog.STUDY_PAIR]
 
+    def seed_study_pairs(self) -> list[str]:
+        """Pairs whose GRPO (n=8) baseline ran with several seeds (sweeps/tiny.yaml), in catalog order."""
+        found = set(seed_study_pairs(self.store.runs))
+        return [p for p in self.pairs if p in found]
+
+    def _pair_runs(self, pair: str) -> pd.DataFrame:
+        """Model runs of ``pair``'s two models: co-trained with each other, or trained alone."""
+        models = set(self.pairs[pair])
+        runs = self.model_runs
+        return runs[runs["model"].isin(models) & (runs["peer"].isin(models) | runs["peer"].eq("none"))]
+
+    def seeds_of(self, pair: str) -> list[int]:
+        """Every seed any method ran with on ``pair`` (a seed table's columns to fill)."""
+        return sorted(int(s) for s in self._pair_runs(pair)["seed"].dropna().unique())
+
+    def ran(self, method: str, pair: str) -> bool:
+        """Whether any run of ``method`` trained a model of ``pair`` (seed tables list only those methods)."""
+        return bool(self._pair_runs(pair)["method_key"].eq(method).any())
+
     @cached_property
     def benches(self) -> list[str]:
         keys = self.store.history["key"].unique()
@@ -119,7 +138,7 @@ class Analysis:
             reason = f"run {run_id} has no test/* scores (training or evaluation unfinished)"
         if reason is None:
             return run_id
-        entry = Missing(table, method, model, peer, seed, catalog.sweep_for(table, method, seed), reason)
+        entry = Missing(table, method, model, peer, seed, catalog.sweep_for(table, method, seed, model), reason)
         if entry not in self.missing:
             self.missing.append(entry)
         return None

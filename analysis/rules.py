@@ -192,3 +192,17 @@ def confidence_halfwidth(values: pd.Series, level: float = 0.95) -> float:
     if len(values) < 2:
         return math.nan
     return float(stats.t.ppf(0.5 + level / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+
+
+def paired_difference(values: pd.Series, reference: pd.Series, level: float = 0.95) -> dict[str, float]:
+    """A method against a reference trained with the same seeds: the mean over seeds of (value - reference)
+    and the Student-t ``level`` interval of that mean (``n - 1`` degrees of freedom).
+
+    Both series are indexed by seed; only seeds present in both count (pairing removes the seed-to-seed
+    spread that both share, e.g. the prompt order). ``n`` is the number of pairs; the interval is NaN below 2.
+    """
+    diff = (values - reference).dropna()
+    n = len(diff)
+    mean = float(diff.mean()) if n else math.nan
+    half = confidence_halfwidth(diff, level)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}

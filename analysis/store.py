@@ -134,6 +134,15 @@ def _tidy_runs(raw: pd.DataFrame, experiments: dict[str, str]) -> pd.DataFrame:
     return pd.concat([runs, params, metrics], axis=1)
 
 
+def seed_study_pairs(runs: pd.DataFrame) -> list[str]:
+    """Pairs whose GRPO (n=8) baseline ran with more than one seed: their tables compare methods over seeds."""
+    grpo = runs[runs["is_model"] & runs["method"].eq("grpo_n8")]
+    seeds = grpo.groupby("model")["seed"].nunique()
+    models = set(seeds.index[seeds > 1])
+    pairs = runs.loc[runs["is_model"] & runs["model"].isin(models), "pair"].dropna()
+    return sorted(set(pairs))
+
+
 def _history_plan(runs: pd.DataFrame) -> dict[str, list[str]]:
     """Metric key -> the run ids whose history of it the tables and figures read.
 
@@ -148,7 +157,10 @@ def _history_plan(runs: pd.DataFrame) -> dict[str, list[str]]:
             return []
         return runs.index[selected & runs[column].notna()].tolist()
 
-    model, first = runs["is_model"], runs["seed"].eq(0)
+    model = runs["is_model"]
+    # Curves and costs are read for the first run, and for every seed of a seed study's pair (the tables
+    # and figures over seeds).
+    first = runs["seed"].eq(0) | runs["pair"].isin(seed_study_pairs(runs))
     costed = model & first & runs["method"].isin(catalog.COMPUTE_METHODS)
     costed_jobs = runs.index.isin(runs.loc[costed, "parent_id"].dropna())
     plan = {}

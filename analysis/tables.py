@@ -460,6 +460,116 @@ def training_hparams(a: Analysis) -> Table:
                  frame_override=pd.DataFrame(records))
 
 
+# --- seed studies (the tiny pair's sweeps/tiny.yaml): every method over the same seeds, paired with GRPO (n=8) --
+
+SEED_TABLES = {
+    # label: (caption, methods, extra references besides GRPO (n=8))
+    "main-seeds": ("Main methods over seeds.", ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds", "hacpo", "sgt",
+                                                 "graft"), ()),
+    "ablation-seeds": ("Ablations of GRAFT over seeds.", ("grpo_n8", "graft", "graft_no_gate",
+                                                         "graft_random_prompts", "graft_random_admission",
+                                                         "graft_pooled", "graft_peer_first"), ("graft",)),
+    "replay-seeds": ("Stored peer trajectories over seeds.", ("grpo_n8", "graft", "graft_stored"), ()),
+}
+BOTH = "both"   # the "updated model" of a seed table's pair-average block
+
+
+def _seed_scores(a: Analysis, label: str, method: str, model: str, peer: str, seeds: list[int],
+                 benches: list[str]) -> pd.DataFrame:
+    """Seeds x (benches + avg): per training run, the mean over the evaluation runs of its checkpoint."""
+    rows = {}
+    for seed in seeds:
+        run_id = a.find(label, method, model, "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed)
+        if run_id:
+            rows[seed] = a.scores(run_id, benches).mean()
+    return pd.DataFrame.from_dict(rows, orient="index", columns=[*benches, AVG])
+
+
+def _paired_row(a: Analysis, method: str, model: str, peer: str, per_seed: pd.DataFrame,
+              references: dict[str, pd.DataFrame], seeds: list[int]) -> Row:
+    """Mean and sample std over seeds, and the paired difference of Avg to each reference (same seeds)."""
+    stats = rules.mean_std(per_seed, rules.SEED_STD_DDOF)
+    row = Row(model, peer, method, stats, catalog.method_display(method), ours=method == "graft",
+              reference=method == "grpo_n8")
+    row.extra = {"seeds": len(per_seed), "of_seeds": len(seeds)}
+    for name, ref in references.items():
+        diff = rules.paired_difference(per_seed[AVG], ref[AVG]) if len(per_seed) else {
+            "mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
+        row.extra |= {f"vs_{name}_mean": diff["mean"], f"vs_{name}_lo": diff["lo"], f"vs_{name}_hi": diff["hi"],
+                      f"vs_{name}_n": diff["n"]}
+    row.stats["delta"] = row.extra["vs_grpo_n8_mean"]
+    return row
+
+
+def seed_table(a: Analysis, label: str) -> Table:
+    """A seed-study table: per updated model, and for the pair average (both models, per seed), each method's
+    mean ± sample std over seeds and its paired difference to GRPO (n=8) (and to full GRAFT in the ablation):
+    mean over seeds of (method - reference) on the same seed, with its 95% Student-t interval."""
+    caption, methods, extra_refs = SEED_TABLES[label]
+    pairs = a.seed_study_pairs()
+    table = Table(label, caption, _run_benches(a, pairs), kind="seeds")
+    benches = table.benches
+    for pair in pairs:
+        model_a, model_b = a.pairs[pair]
+        seeds = a.seeds_of(pair)
+        table.items.append(Band(f"{_pair_name(pair)}: {catalog.model_display(model_a)} ↔ "
+                                f"{catalog.model_display(model_b)}, seeds {', '.join(map(str, seeds))}", "pair"))
+        ran = [m for m in methods if a.ran(m, pair)]
+        scores = {(m, model): _seed_scores(a, label, m, model, peer, seeds, benches)
+                  for m in ran for model, peer in ((model_a, model_b), (model_b, model_a))}
+        for model, peer in ((model_a, model_b), (model_b, model_a), (BOTH, "")):
+            if model == BOTH:
+                # A seed counts for the pair average only when both of its models have scores.
+                for m in ran:
+                    scores[(m, BOTH)] = ((scores[(m, model_a)] + scores[(m, model_b)]) / 2).dropna()
+                title = "Both models (mean of the two per seed)"
+            else:
+                title = f"Updated policy: {catalog.model_display(model)}"
+            table.items.append(Band(title, "model"))
+            references = {r: scores.get((r, model), pd.DataFrame(columns=[AVG])) for r in ("grpo_n8", *extra_refs)}
+            for m in ran:
+                table.items.append(_paired_row(a, m, model, peer if model != BOTH else "", scores[(m, model)],
+                                             references, seeds))
+    return table
+
+
+def compute_seeds(a: Analysis) -> Table:
+    """Compute over seeds: per method, the pair-average Avg (mean ± std over seeds, paired difference to GRPO
+    (n=8)) and the device-hours of both models to their selected checkpoints and for the full runs (App. D's
+    "both models" accounting, :func:`compute_costs`), mean over seeds."""
+    label = "compute-seeds"
+    pairs = a.seed_study_pairs()
+    table = Table(label, "Score and training cost over seeds.", _run_benches(a, pairs), kind="seeds")
+    for pair in pairs:
+        model_a, model_b = a.pairs[pair]
+        seeds = a.seeds_of(pair)
+        table.items.append(Band(f"{_pair_name(pair)}: both models, seeds {', '.join(map(str, seeds))}", "pair"))
+        per_method = {}
+        for method in [m for m in COMPUTE_METHODS if a.ran(m, pair)]:
+            separate = method in catalog.SINGLE_MODEL_METHODS
+            records = {}
+            for seed in seeds:
+                found = {model: a.find(label, method, model, "none" if separate else peer, seed)
+                         for model, peer in ((model_a, model_b), (model_b, model_a))}
+                if None in found.values():
+                    continue
+                run_a, run_b = found[model_a], found[model_b]
+                costs = compute_costs(a, method, model_a, model_b, run_a, run_b)
+                avg = (a.scores(run_a, table.benches).mean() + a.scores(run_b, table.benches).mean()) / 2
+                records[seed] = {**avg.to_dict(), "joint_gpuh_best": costs["joint_gpuh_best"],
+                                 "joint_gpuh_full": costs["joint_gpuh_full"]}
+            per_method[method] = pd.DataFrame.from_dict(records, orient="index",
+                                                        columns=[*table.benches, AVG, "joint_gpuh_best",
+                                                                 "joint_gpuh_full"])
+        reference = {"grpo_n8": per_method.get("grpo_n8", pd.DataFrame(columns=[AVG]))}
+        for method, frame in per_method.items():
+            row = _paired_row(a, method, BOTH, "", frame[[*table.benches, AVG]], reference, seeds)
+            row.extra |= {"pair": pair, "joint_gpuh_best": frame["joint_gpuh_best"].mean(),
+                          "joint_gpuh_full": frame["joint_gpuh_full"].mean()}
+            table.items.append(row)
+    return table
+
+
 BUILDERS = {
     "main-results": main_results,
     "ablation": ablation,
@@ -470,6 +580,8 @@ BUILDERS = {
     "compute": compute,
     "clipfrac-position": clipfrac_position,
     "training-hparams": training_hparams,
+    **{label: (lambda a, label=label: seed_table(a, label)) for label in SEED_TABLES},
+    "compute-seeds": compute_seeds,
 }
 
 
