@@ -92,7 +92,8 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
         tags = run.data.tags
         assert tags["graft.model"] == ("tiny-char-llama" if role == "A" else "tiny-bpe-gpt2")
         assert tags["graft.peer"] == ("tiny-bpe-gpt2" if role == "A" else "tiny-char-llama")
-        assert tags["graft.method"] == "graft" and tags["graft.n"] == "8" and "graft.best_step" in tags
+        assert tags["graft.method"] == "graft" and tags["graft.n"] == "8"
+        assert tags["graft.best_step"] in ("1", "2")       # a trained checkpoint: step 0 is no candidate
         assert run.info.status == "FINISHED" and run.data.params["train.batch_prompts"] == "8"
         metrics = histories(client, run.info.run_id)
         assert all(schema.known_metric(k, "model") for k in metrics), sorted(metrics)
