@@ -345,6 +345,11 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         assert [s for s, _ in metrics["test/avg"]] == [0, 1]
         assert {f"test/{b}" for b in SKILLS} <= set(metrics)
         assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        # verl's LR scheduler steps once per update_actor call: the checkpoint carried it through the resume,
+        # and the final evaluation's model is the best checkpoint's
+        updates = first.models[role].wg.calls["update_actor"] + second.models[role].wg.calls["update_actor"]
+        at_best = updates if tags["graft.best_step"] == "2" else first.models[role].wg.calls["update_actor"]
+        assert second.models[role].wg.lr_scheduler.last_epoch == at_best
         if method == "grpo_ds":
             assert trained[role]["peer"] == trained[role]["sft"] == 0
             assert "train/peer_groups" not in metrics
@@ -354,6 +359,9 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         # peer rows reached verl's update (SGT: its NLL rows), in at least one direction
         key = "sft" if method == "sgt" else "peer"
         assert trained["A"][key] + trained["B"][key] > 0, trained
+        if method != "sgt":   # the workers' peer token (HACPO: sequence) counts came back through aggregate_dp
+            assert all(trained[role]["peer"] == 0 or "train/clipfrac_peer" in histories(client, r.info.run_id)
+                       for role, r in runs.items())
         peer_groups = {role: sum(v for _, v in histories(client, r.info.run_id)["train/peer_groups"])
                        for role, r in runs.items()}
         assert sum(peer_groups.values()) > 0, peer_groups
