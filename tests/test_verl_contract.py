@@ -47,8 +47,8 @@ from graft_exp.tiny.task import SKILLS, benchmark, train_split
 torch.set_num_threads(1)
 DP_SIZE = 2
 TRAIN_PROBLEMS, BENCH_PROBLEMS = 64, 2
-#: The tiny models are base models conditioned on ``tiny.models.model_input(prompt)``: the prompt, then
-#: ``SEPARATOR``. As a chat template (which verl's agent loop applies to the dataset's messages):
+#: The tiny models are base models conditioned on ``tiny.models.model_input(prompt)``: the prompt, then a
+#: newline. As a chat template (which verl's agent loop applies to the dataset's messages):
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}")
 SMALL = ["train.batch_prompts=8", "train.minibatch_prompts=4", "method.hacpo.minibatch_prompts=4",
@@ -187,6 +187,9 @@ class CountingWorkerGroup(EngineWorkerGroup):
         return super().update_actor(data)
 
 
+backends: list[VerlBackend] = []   # every backend the factory built, in order (tests inspect them)
+
+
 def standin_backend(cfg, roles: list[str]) -> VerlBackend:
     """``backend.create`` without Ray: verl's datasets and ``VerlModel``s, each attached to the stand-ins."""
     backend = VerlBackend(cfg, roles)
@@ -210,9 +213,6 @@ def standin_backend(cfg, roles: list[str]) -> VerlBackend:
     return backend
 
 
-backends: list[VerlBackend] = []   # every backend the factory built, in order (tests inspect them)
-
-
 # ------------------------------------------------------------------------------------ data, models
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
@@ -221,9 +221,9 @@ def prepared(tmp_path_factory) -> Path:
     tokenizers carry the chat template of the tiny prompt format."""
     root = tmp_path_factory.mktemp("verl_prepared")
     fields = {"question": "question", "answer": "answer"}
-    train = [vars(p) for p in train_split(SKILLS, EVAL_SIZE, TRAIN_PROBLEMS)]
-    write_parquet(verl_rows(train, Source("math", "tiny", "train", rows=len(train), output="train", **fields)),
-                  Source("math", "tiny", "train", rows=len(train), output="train", **fields), root / "data")
+    train = Source("math", "tiny", "train", rows=TRAIN_PROBLEMS, output="train", **fields)
+    write_parquet(verl_rows([vars(p) for p in train_split(SKILLS, EVAL_SIZE, TRAIN_PROBLEMS)], train), train,
+                  root / "data")
     for skill in SKILLS:
         source = Source(skill, "tiny", "test", rows=BENCH_PROBLEMS, **fields)
         write_parquet(verl_rows([vars(p) for p in benchmark(skill, EVAL_SIZE)[:BENCH_PROBLEMS]], source), source,
