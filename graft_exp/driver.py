@@ -227,6 +227,8 @@ class Driver:
         self.cfg, self.job, self.method = cfg, job, cfg.method
         self.spec = LossSpec.from_method(cfg.method)
         self.root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+        if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
+            shutil.rmtree(self.root, ignore_errors=True)
         stored = {}
         if self.method.source == "stored":
             stored = {role: download_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
@@ -494,9 +496,6 @@ class Driver:
             return {}
         if self.job.resumed:
             self.load_checkpoint()
-        else:   # a fresh run never inherits another run's state
-            for stale in [*self.checkpoints(), self.root / "trajectories"]:
-                shutil.rmtree(stale, ignore_errors=True)
         self.log_config()
         every, save_every = int(self.cfg.eval.val_every), int(self.cfg.train.save_every)
         if self.start_step == 1:
