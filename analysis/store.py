@@ -148,8 +148,9 @@ def _history_plan(runs: pd.DataFrame) -> dict[str, list[str]]:
 
     Reading a history costs MLflow ~30 us per value, so only what is used is read: ``test/<bench>`` of every
     model run (a handful of values each); ``val/avg`` for the validation-curve figure (first runs of its
-    methods) and for runs without a ``graft.best_step`` tag; cumulative ``cost/gpu_hours`` of the first runs
-    of the costed methods and of their jobs; clipping metrics of the first runs of the clip-dynamics methods.
+    methods), for runs without a ``graft.best_step`` tag and for every run of a seed study's pair; cumulative
+    ``cost/gpu_hours`` of the first runs of the costed methods (every seed of a seed study) and of their jobs;
+    clipping metrics of the first runs of the clip-dynamics methods.
     """
     def logged(key, selected):
         column = f"metric:{key}"
@@ -158,9 +159,10 @@ def _history_plan(runs: pd.DataFrame) -> dict[str, list[str]]:
         return runs.index[selected & runs[column].notna()].tolist()
 
     model = runs["is_model"]
-    # Curves and costs are read for the first run, and for every seed of a seed study's pair (the tables
+    # Curves and costs are read for the first run, and for every run of a seed study's pair (the tables
     # and figures over seeds).
-    first = runs["seed"].eq(0) | runs["pair"].isin(seed_study_pairs(runs))
+    seed_study = runs["pair"].isin(seed_study_pairs(runs))
+    first = runs["seed"].eq(0) | seed_study
     costed = model & first & runs["method"].isin(catalog.COMPUTE_METHODS)
     costed_jobs = runs.index.isin(runs.loc[costed, "parent_id"].dropna())
     plan = {}
@@ -169,7 +171,7 @@ def _history_plan(runs: pd.DataFrame) -> dict[str, list[str]]:
         if column.startswith("metric:test/") and key != "test/avg":
             plan[key] = logged(key, model)
     plan["val/avg"] = logged("val/avg", model & ((first & runs["method"].isin(catalog.CURVE_METHODS))
-                                                 | runs["best_step"].isna()))
+                                                 | seed_study | runs["best_step"].isna()))
     plan["cost/gpu_hours"] = logged("cost/gpu_hours", costed | costed_jobs)
     clipped = model & first & runs["method"].isin(catalog.CLIP_METHODS)
     for key in ("train/clipfrac_self", "train/clipfrac_peer", "train/peer_admitted"):
