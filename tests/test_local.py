@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
+from mlflow_records import histories, model_runs
 
 from graft_exp import driver, schema, tracking
 from graft_exp.backends import local
@@ -30,17 +30,6 @@ def make_job(compose_cfg, tmp_path):
         validate(cfg)
         return cfg, tracking.open_job(cfg)
     return _make
-
-
-def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    run = client.get_run(run_id)
-    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics}
-
-
-def model_runs(client: MlflowClient, job_id: str) -> dict[str, object]:
-    exp = client.get_run(job_id).info.experiment_id
-    runs = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{job_id}'")
-    return {r.data.tags["graft.role"]: r for r in runs}
 
 
 @pytest.mark.slow

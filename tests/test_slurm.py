@@ -69,6 +69,17 @@ def completed_jobs(cluster: PrivateSlurm) -> dict[str, dict[str, str]]:
     return jobs
 
 
+def wait_for_completion_record(cluster: PrivateSlurm, ids: list[str], timeout: float = 120.0) -> dict[str, dict]:
+    """The finished-job record once it lists every job of ``ids``: a sweep sees a job's run FINISHED in
+    MLflow while the Slurm job is still exiting, and Slurm writes the record only when the job has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = completed_jobs(cluster)
+        if all(i in record for i in ids) or time.monotonic() > deadline:
+            return record
+        time.sleep(1)
+
+
 def runs_by_key(uri: str) -> dict[str, list]:
     client = MlflowClient(uri)
     exps = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
@@ -111,9 +122,9 @@ def test_two_job_sweep_through_slurm(slurm, workdir, record_property):
 
     if slurm.private is not None:
         # The jobs ran on this session's cluster, one per node (CR_LLN; two "hosts" when namespaces exist).
-        record = completed_jobs(slurm.private)
         ids = [runs[sj.key][0].data.tags["graft.slurm_job_id"] for sj in sweep.jobs]
-        assert all(record[i]["JobState"] == "COMPLETED" for i in ids), record
+        record = wait_for_completion_record(slurm.private, ids)
+        assert all(record.get(i, {}).get("JobState") == "COMPLETED" for i in ids), record
         nodes = {record[i]["NodeList"] for i in ids}
         assert nodes == {n.name for n in slurm.private.members}, record
         print(f"jobs {ids} ran on nodes {sorted(nodes)} of cluster {slurm.private.cluster}")

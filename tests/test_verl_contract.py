@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
+from mlflow_records import histories, model_runs
 from transformers import AutoConfig, AutoTokenizer
 from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
 from verl.utils import hf_tokenizer
@@ -261,17 +261,6 @@ def test_an_overlong_prompt_stops_the_job_before_training(compose_cfg, prepared,
     train_file, val_files = data_files(cfg)
     with pytest.raises(ValueError, match=r"row 0 of .* is \d+ tokens for .*tiny-char-llama.*max_prompt_length=64"):
         VerlBackend(cfg, ["A", "B"]).build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
-
-
-def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    run = client.get_run(run_id)
-    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics}
-
-
-def model_runs(client: MlflowClient, job_id: str) -> dict[str, object]:
-    exp = client.get_run(job_id).info.experiment_id
-    runs = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{job_id}'")
-    return {r.data.tags["graft.role"]: r for r in runs}
 
 
 @pytest.mark.slow
