@@ -175,7 +175,6 @@ class Member:
     key: str
     run: tracking.TrackedRun | None
     best: BestCheckpoint = field(default_factory=BestCheckpoint)
-    busy_seconds: float = 0.0            # its own generation / scoring / training time
     device_seconds: float = 0.0          # its cost/gpu_hours x 3600
     positive_rates: list[float] = field(default_factory=list)   # HACPO's capability tracker
     stored_peer: object = None           # graft_stored: the peer's logged trajectories (DataFrame)
@@ -389,7 +388,6 @@ class Driver:
                                    bool(self.method.co_train), self.backend.concurrent)
         self.job_device_seconds += joint
         for role, member in self.members.items():
-            member.busy_seconds += busy[role]
             member.device_seconds += shares[role]
             metrics[role]["cost/gpu_hours"] = member.device_seconds / 3600.0
         return self.job_device_seconds / 3600.0
@@ -427,7 +425,7 @@ class Driver:
         directory and renamed, so a job killed mid-write leaves the previous checkpoint intact."""
         state = {"step": step, "job_device_seconds": self.job_device_seconds,
                  "cursors": {name: s.cursor for name, s in self.streams.items()},
-                 "members": {role: {"best": asdict(m.best), "busy_seconds": m.busy_seconds,
+                 "members": {role: {"best": asdict(m.best),
                                     "device_seconds": m.device_seconds, "positive_rates": m.positive_rates}
                              for role, m in self.members.items()}}
         self.root.mkdir(parents=True, exist_ok=True)
@@ -457,7 +455,7 @@ class Driver:
         for role, saved in state["members"].items():
             member = self.members[role]
             member.best = BestCheckpoint(**saved["best"])
-            member.busy_seconds, member.device_seconds = saved["busy_seconds"], saved["device_seconds"]
+            member.device_seconds = saved["device_seconds"]
             member.positive_rates = list(saved["positive_rates"])
         for name, cursor in state["cursors"].items():
             self.streams[name].cursor = cursor
