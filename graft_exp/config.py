@@ -186,6 +186,13 @@ def register_schemas() -> None:
     store.store(group="backend", name="verl_schema", node=VerlBackendConfig)
 
 
+def minibatch_prompts(cfg: DictConfig) -> int:
+    """Prompt groups per optimizer minibatch: Table 3's 32 (of 128), HACPO's released 64."""
+    if cfg.method.peer_loss == "hacpo":
+        return int(cfg.method.hacpo.minibatch_prompts)
+    return int(cfg.train.minibatch_prompts)
+
+
 def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")

@@ -38,7 +38,7 @@ from graft_exp.algorithms import (
     hacpo_capability_ratio,
     hacpo_positive_rate,
 )
-from graft_exp.config import PEER_OF, ROLES
+from graft_exp.config import PEER_OF, ROLES, minibatch_prompts
 from graft_exp.evaluation import AVG, BestCheckpoint, Generate, evaluate, final_evaluation, is_validation_step
 from graft_exp.exchange import (
     ReceiverBatch,
@@ -333,7 +333,7 @@ class Driver:
         #    on the method's loss (eq. 10 for GRAFT; objective.py).
         def update(role):
             with timer(role):
-                order = batches[role].minibatches(method, self.minibatch_prompts(),
+                order = batches[role].minibatches(method, minibatch_prompts(self.cfg),
                                                   generator(self.cfg.seed, step, role, "order"))
                 return self.backend.update(role, self.spec, batches[role], order, own[role], sources[role], ratios[role])
         counts = self.each(update)
@@ -391,12 +391,6 @@ class Driver:
             member.device_seconds += shares[role]
             metrics[role]["cost/gpu_hours"] = member.device_seconds / 3600.0
         return self.job_device_seconds / 3600.0
-
-    def minibatch_prompts(self) -> int:
-        """Prompt groups per optimizer step: HACPO's own setting (64 on the paper's 128), else train's."""
-        if self.spec.kind == "hacpo":
-            return int(self.method.hacpo.minibatch_prompts)
-        return int(self.cfg.train.minibatch_prompts)
 
     # -------------------------------------------------------------------- validation, checkpoints
     def validate(self, step: int) -> None:

@@ -15,6 +15,11 @@ import torch
 
 from graft_exp.algorithms import POLICY_LOSSES, hacpo_kl_loss, hacpo_policy_loss, sgt_nll_loss
 
+#: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
+#: sequences) of own and peer rows, of those the clipped ones, and SGT's NLL tokens.
+COUNT_METRICS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_tokens_peer",
+                 "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer", "sft_tokens")
+
 
 @dataclass(frozen=True)
 class LossSpec:

@@ -62,8 +62,9 @@ def _sbin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A /24 in 10.213.0.0/16 that no interface or route of this machine uses."""
+def free_subnet(within: str, prefix: int) -> ipaddress.IPv4Network:
+    """A random /``prefix`` inside ``within`` that no interface or route of this machine overlaps (test
+    networks of their own: the Slurm nodes' bridge, the server tests' compute node)."""
     shown = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
     shown += subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
     used = []
@@ -72,12 +73,12 @@ def _free_subnet() -> ipaddress.IPv4Network:
             used.append(ipaddress.ip_network(token, strict=False))
         except ValueError:
             continue
-    candidates = list(ipaddress.ip_network("10.213.0.0/16").subnets(new_prefix=24))
+    candidates = list(ipaddress.ip_network(within).subnets(new_prefix=prefix))
     random.shuffle(candidates)
     for net in candidates:
         if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
             return net
-    raise RuntimeError("no free /24 in 10.213.0.0/16 for the test cluster's bridge")
+    raise RuntimeError(f"no free /{prefix} in {within} for a test network")
 
 
 @dataclass
@@ -156,7 +157,7 @@ class PrivateSlurm:
         return self
 
     def _make_network(self) -> None:
-        net = _free_subnet()
+        net = free_subnet("10.213.0.0/16", 24)
         hosts = list(net.hosts())
         self.bridge = f"{self.tag}br"
         self.ctld_addr = str(hosts[0])

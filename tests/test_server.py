@@ -11,10 +11,8 @@ missing. Everything it starts (namespace, veth, PostgreSQL, mlflow server) is it
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import random
 import shutil
 import socket
 import stat
@@ -29,6 +27,7 @@ from pathlib import Path
 import pytest
 import requests
 from mlflow.tracking import MlflowClient
+from private_slurm import free_subnet
 
 from graft_exp import server as srv
 from graft_exp import tracking
@@ -61,23 +60,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_subnet() -> ipaddress.IPv4Network:
-    """A /30 in 10.214.0.0/16 that no interface or route of this machine overlaps."""
-    shown = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
-    shown += subprocess.run(["ip", "-4", "route"], capture_output=True, text=True, check=True).stdout
-    used = []
-    for token in shown.split():
-        try:
-            net = ipaddress.ip_network(token, strict=False)
-        except ValueError:
-            continue
-        if net.prefixlen > 0:
-            used.append(net)
-    candidates = list(ipaddress.ip_network("10.214.0.0/16").subnets(new_prefix=30))
-    random.shuffle(candidates)
-    return next(net for net in candidates if not any(net.overlaps(u) for u in used))
-
-
 @dataclass
 class ComputeNode:
     ns: str
@@ -103,7 +85,7 @@ def node(tmp_path_factory):
         pytest.skip(why)
     tag = f"{os.getpid() % 100000}"
     ns, host_if = f"graftcn{tag}", f"graftv{tag}"
-    net = free_subnet()
+    net = free_subnet("10.214.0.0/16", 30)
     head, addr = (str(a) for a in list(net.hosts())[:2])
     hosts = tmp_path_factory.mktemp("node") / "hosts"
     hosts.write_text(f"127.0.0.1 localhost\n{head} {HEAD}\n")

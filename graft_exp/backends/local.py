@@ -18,14 +18,10 @@ from graft_exp import driver, tracking
 from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.driver import Generation, Sampled
 from graft_exp.exchange import PEER, ReceiverBatch, Scorer
-from graft_exp.objective import LossSpec, SftRows, generation_mean_log_prob, receiver_loss
+from graft_exp.objective import COUNT_METRICS, LossSpec, SftRows, generation_mean_log_prob, receiver_loss
 from graft_exp.rollouts import Rollouts
 from graft_exp.tiny import models as tiny
 from graft_exp.tiny.task import SKILLS, Problem, train_split
-
-#: The loss metrics summed over a step's minibatches (tokens; sequences for HACPO).
-COUNTS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_tokens_peer",
-          "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer")
 
 
 @dataclass
@@ -132,7 +128,7 @@ class LocalBackend:
         """One AdamW step per minibatch, in the driver's order, on ``receiver_loss``."""
         policy, cache, data = self.policies[role], self.peer_cache[role], own.data
         policy.model.train()
-        totals, losses = dict.fromkeys(COUNTS, 0.0), []
+        totals, losses = dict.fromkeys(COUNT_METRICS, 0.0), []
         for index, groups in enumerate(minibatches):
             rows, nll = batch.rows_in(groups), batch.nll_in(groups)
             if not rows and not nll:
@@ -161,7 +157,7 @@ class LocalBackend:
                 nll_ids = [policy.encode_response(peer.responses[q][i], bool(peer.finished[q, i])) for q, i in nll]
                 columns["sft"] = SftRows(*policy.token_log_probs(nll_prompts, nll_ids))
             loss, raw = receiver_loss(spec, log_prob, mask, **columns)
-            for key in COUNTS:
+            for key in COUNT_METRICS:
                 totals[key] += float(raw.get(key, 0.0))
             policy.apply_gradients(loss)
             losses.append(float(loss.detach()))

@@ -29,12 +29,8 @@ from graft_exp.backends.verl.config import verl_config
 from graft_exp.backends.verl.runtime import VerlModel, start_models
 from graft_exp.driver import Generation, Sampled, total_steps
 from graft_exp.exchange import ReceiverBatch, Scorer
-from graft_exp.objective import LossSpec
+from graft_exp.objective import COUNT_METRICS, LossSpec
 from graft_exp.rollouts import Rollouts
-
-#: Summed loss counts the workers report (``loss.COUNT_METRICS`` under ``graft/``).
-COUNTS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_tokens_peer",
-          "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer")
 
 
 @dataclass(frozen=True)
@@ -169,7 +165,7 @@ class VerlBackend:
                                                            sequence_mean=spec.sequence_level))
         losses = raw.get("actor/pg_loss", [])
         return {"loss": float(np.mean(losses)) if len(losses) else float("nan"),
-                **{key: float(np.sum(raw.get(f"graft/{key}", [0.0]))) for key in COUNTS}}
+                **{key: float(np.sum(raw.get(f"graft/{key}", [0.0]))) for key in COUNT_METRICS}}
 
     # ------------------------------------------------------------------ evaluation and state
     def generate(self, role: str, step: int):

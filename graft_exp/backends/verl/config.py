@@ -20,6 +20,8 @@ from pathlib import Path
 import verl
 from omegaconf import DictConfig, OmegaConf
 
+from graft_exp.config import minibatch_prompts
+
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
 #: Where ``python -m graft_exp.prepare`` writes each data set (relative to ``backend.data_dir``).
@@ -78,13 +80,6 @@ def data_files(cfg: DictConfig) -> tuple[str, list[str]]:
     if cfg.pair.data != "math":
         raise ValueError(f"backend=verl trains on MATH; pair.data={cfg.pair.data!r} has no verl Parquet")
     return str(root / TRAIN_FILE), [str(root / benchmark_file(b)) for b in cfg.pair.benchmarks]
-
-
-def minibatch_prompts(cfg: DictConfig) -> int:
-    """Prompts per optimizer minibatch: Table 3's 32, HACPO's released 64."""
-    if cfg.method.peer_loss == "hacpo":
-        return int(cfg.method.hacpo.minibatch_prompts)
-    return int(cfg.train.minibatch_prompts)
 
 
 def optimizer_updates_per_step(cfg: DictConfig) -> int:

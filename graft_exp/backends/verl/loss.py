@@ -28,17 +28,12 @@ from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from graft_exp.objective import LossSpec, SftRows, receiver_loss
+from graft_exp.objective import COUNT_METRICS, LossSpec, SftRows, receiver_loss
 
 WEIGHT, IS_PEER, DENOMINATOR = "graft_weight", "graft_is_peer", "graft_denominator"
 SFT, SFT_DENOMINATOR = "graft_sft", "graft_sft_denominator"
 SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO, MINIBATCH_INDEX = (
     "graft_source_mean_log_prob", "graft_capability_ratio", "graft_minibatch_index")
-
-#: Token (HACPO: sequence) counts summed over micro-batches, data-parallel ranks and minibatches.
-COUNT_METRICS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_tokens_peer",
-                 "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer", "sft_tokens")
-
 
 def _columns(data: TensorDict, names: list[str]) -> TensorDict:
     present = [n for n in names if n in data.keys()]  # noqa: SIM118 (TensorDict has no __contains__ for keys)
