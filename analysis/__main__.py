@@ -1,4 +1,7 @@
-"""``python -m analysis {tables,figures,compare}``: the paper's tables and figures from MLflow.
+"""``python -m analysis {tables,figures,compare,readme}``: the paper's tables and figures from MLflow.
+
+``readme`` rebuilds a README's seed-study section from what ``tables`` and ``figures`` wrote into ``--out``
+(:mod:`analysis.readme`).
 
 With ``--log-to-mlflow``, ``tables`` and ``figures`` also log what they wrote as the artifacts of an
 analysis run (tagged ``graft.analysis``, which the analysis itself skips) in the experiment they read,
@@ -18,7 +21,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table as RichTable
 
-from analysis import compare, figures, render, tables
+from analysis import compare, figures, readme, render, tables
 from analysis.results import Analysis
 from analysis.store import ANALYSIS_TAG, StoreUnavailable, load_store
 
@@ -120,6 +123,11 @@ def cmd_compare(args) -> None:
     console.print(f"compared {frame['ours'].notna().sum()} of {len(frame)} paper cells; wrote {paths[0]}")
 
 
+def cmd_readme(args) -> None:
+    path = readme.write(args.out, args.readme)
+    console.print(f"rebuilt the seed-study section of {path} from {args.out}")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -128,9 +136,15 @@ def parser() -> argparse.ArgumentParser:
         "figures": (cmd_figures, "write every figure as PNG and PDF"),
         "compare": (cmd_compare, ("each regenerated cell beside the paper's value (reads OUT/<label>.csv "
                                  "unless --tracking-uri is given)")),
+        "readme": (cmd_readme, "rebuild a README's seed-study section from the tables and figures in OUT"),
     }
     for name, (handler, help_text) in specs.items():
         command = commands.add_parser(name, help=help_text)
+        if name == "readme":
+            command.add_argument("readme", type=Path, help="the README to update, e.g. README.md")
+            command.add_argument("--out", type=Path, required=True, help="where tables and figures wrote")
+            command.set_defaults(handler=handler, tracking_uri=None)
+            continue
         command.add_argument("--tracking-uri", default=None,
                              help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
         command.add_argument("--experiment", action="append",
@@ -152,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         args.handler(args)
     except StoreUnavailable as error:
         console.print(f"[red]error:[/red] {error} (tracking URI: {args.tracking_uri})")
+        return 2
+    except readme.SectionError as error:
+        console.print(f"[red]error:[/red] {error}")
         return 2
     return 0
 

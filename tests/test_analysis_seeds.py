@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from analysis import __main__ as cli
-from analysis import figures, rules, tables
+from analysis import figures, readme, rules, tables
 from analysis.results import Analysis
 from analysis.store import load_store
 from analysis.synthetic import JobSpec, ModelSpec, with_costs, write_jobs
@@ -157,6 +157,30 @@ def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
     assert budget.loc["graft", "score"] == pytest.approx(33.5)      # (27.5 + 32.5 + 40.5) / 3
     for name in ("val-curves-seeds", "pair-budget-seeds", "rescue-fraction"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+    # The README's section is rebuilt from exactly these files; the text around it is kept.
+    project = tmp_path / "project"
+    project.mkdir()
+    before = f"# Results\n\nintro\n\n{readme.BEGIN}\nstale table\n{readme.END}\n\noutro\n"
+    (project / "README.md").write_text(before)
+    assert cli.main(["readme", str(project / "README.md"), "--out", str(tmp_path)]) == 0
+    text = (project / "README.md").read_text()
+    assert text.startswith("# Results\n\nintro\n\n") and text.endswith(f"{readme.END}\n\noutro\n")
+    assert "stale table" not in text and (tmp_path / "main-seeds.md").read_text().strip() in text
+    assert (project / "docs" / tmp_path.name / "val-curves-seeds.png").read_bytes() == \
+        (tmp_path / "val-curves-seeds.png").read_bytes()
+    assert f"](docs/{tmp_path.name}/rescue-fraction.png)" in text
+    # GRAFT's intervals all include 0 (above); the stored runs' two paired differences are equal (s.d. 0), so
+    # their zero-width intervals exclude it: A +1 on both seeds, B 0, both models (1 + 0) / 2.
+    assert ("Paired differences to GRPO (n=8) whose 95% interval excludes zero: GRAFT w/ stored traj. on "
+            "Tiny-Char-Llama: +1.00 [+1.00, +1.00]; GRAFT w/ stored traj. on both models: +0.50 [+0.50, +0.50].") in text
+    assert "No method's paired difference to GRPO (n=8) has a 95% interval that excludes zero (3 paired seeds" in text
+    # Regenerating is idempotent, and a README without the markers is refused, unchanged.
+    assert cli.main(["readme", str(project / "README.md"), "--out", str(tmp_path)]) == 0
+    assert (project / "README.md").read_text() == text
+    (project / "OTHER.md").write_text("no markers\n")
+    assert cli.main(["readme", str(project / "OTHER.md"), "--out", str(tmp_path)]) == 2
+    assert (project / "OTHER.md").read_text() == "no markers\n"
 
 
 def test_seed_figure_points_match_tables(built):
