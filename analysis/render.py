@@ -364,31 +364,34 @@ def _paired(row: Row, reference: str, tex: bool = False) -> str:
     return f"${mean:+.2f}${interval}" if tex else f"{mean:+.2f}{interval}"
 
 
-COST_HEADERS = {"joint_gpuh_best": "device-h to best ckpts", "joint_gpuh_full": "device-h, full runs"}
+EXTRA_HEADERS = {"eval_se": ("eval s.e.", 2), "joint_gpuh_best": ("device-h to best ckpts", 4),
+                 "joint_gpuh_full": ("device-h, full runs", 4)}
 
 
 def _seed_columns(table: Table) -> tuple[list[str], list[str]]:
-    """The header after "Method", and the cost columns present (the compute table's, both models)."""
-    costs = [c for c in COST_HEADERS if any(c in r.extra for r in table.rows)]
+    """The header after "Method", and the extra columns present (evaluation noise; the compute table's costs)."""
+    extras = [c for c in EXTRA_HEADERS if any(c in r.extra for r in table.rows)]
     header = [*map(catalog.bench_display, table.benches), "Avg. (± s.d. over seeds)", "seeds",
               *(f"Δ Avg vs {catalog.method_display(r)} [95% CI]" for r in _references(table)),
-              *(COST_HEADERS[c] for c in costs)]
-    return header, costs
+              *(EXTRA_HEADERS[c][0] for c in extras)]
+    return header, extras
 
 
-def _seed_cells(row: Row, table: Table, costs: list[str], tex: bool) -> list[str]:
+def _seed_cells(row: Row, table: Table, extras: list[str], tex: bool) -> list[str]:
     cell = _tex_cell if tex else _md_cell
     seeds = f"{row.extra.get('seeds', 0)}/{row.extra.get('of_seeds', 0)}"
     return [*(cell(row, c) for c in [*table.benches, AVG]), seeds,
             *(_paired(row, r, tex) for r in _references(table)),
-            *(fmt(row.extra.get(c), 4) for c in costs)]
+            *(fmt(row.extra.get(c), EXTRA_HEADERS[c][1]) for c in extras)]
 
 
 def seeds_md(table: Table) -> str:
-    header, costs = _seed_columns(table)
+    header, extras = _seed_columns(table)
     header = ["Method", *header]
     note = (f"{table.caption} Each training run counts once: the mean of its evaluation runs. Δ: paired (same "
-            "seed) difference of Avg., mean over seeds with its 95% Student-t interval.")
+            "seed) difference of Avg., mean over seeds with its 95% Student-t interval."
+            + (" eval s.e.: the standard error of a checkpoint's Avg. over its evaluation runs, mean over seeds."
+               if "eval_se" in extras else ""))
     lines = [note, "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     blank = " |" * (len(header) - 1)
@@ -398,12 +401,12 @@ def seeds_md(table: Table) -> str:
                          f"{'**' if item.level == 'pair' else '*'}{blank}")
         else:
             label = f"**{item.label}**" if item.ours else item.label
-            lines.append("| " + " | ".join([label, *_seed_cells(item, table, costs, tex=False)]) + " |")
+            lines.append("| " + " | ".join([label, *_seed_cells(item, table, extras, tex=False)]) + " |")
     return "\n".join(lines) + "\n"
 
 
 def seeds_tex(table: Table) -> str:
-    header, costs = _seed_columns(table)
+    header, extras = _seed_columns(table)
     columns = len(header) + 1
     lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{tex_text(table.caption)}}}",
              rf"\label{{tab:{table.label}}}", r"\renewcommand{\NC}{" + str(columns) + "}", r"\resizebox{\linewidth}{!}{",
@@ -415,7 +418,7 @@ def seeds_tex(table: Table) -> str:
             lines.append(rf"\{'pairband' if item.level == 'pair' else 'modelband'}{{{tex_text(item.text)}}}")
         else:
             prefix = r"\oursrow " if item.ours else ""
-            lines.append(prefix + " & ".join([tex_text(item.label), *_seed_cells(item, table, costs, tex=True)])
+            lines.append(prefix + " & ".join([tex_text(item.label), *_seed_cells(item, table, extras, tex=True)])
                          + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}}", r"\end{table}"]
     return "\n".join(lines) + "\n"

@@ -474,24 +474,33 @@ SEED_TABLES = {
 BOTH = "both"   # the "updated model" of a seed table's pair-average block
 
 
+EVAL_SE = "eval_se"  # a seed table's evaluation noise: the standard error of a checkpoint's Avg over its runs
+
+
 def _seed_scores(a: Analysis, label: str, method: str, model: str, peer: str, seeds: list[int],
                  benches: list[str]) -> pd.DataFrame:
-    """Seeds x (benches + avg): per training run, the mean over the evaluation runs of its checkpoint."""
+    """Seeds x (benches + avg + eval_se): per training run, the mean over the evaluation runs of its checkpoint,
+    and the standard error of that mean's Avg (s.d. over the evaluation runs / sqrt(runs); NaN for one run)."""
     rows = {}
     for seed in seeds:
         run_id = a.find(label, method, model, "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed)
         if run_id:
-            rows[seed] = a.scores(run_id, benches).mean()
-    return pd.DataFrame.from_dict(rows, orient="index", columns=[*benches, AVG])
+            runs = a.scores(run_id, benches)
+            rows[seed] = runs.mean()
+            rows[seed][EVAL_SE] = runs[AVG].std(ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
+    return pd.DataFrame.from_dict(rows, orient="index", columns=[*benches, AVG, EVAL_SE])
 
 
 def _paired_row(a: Analysis, method: str, model: str, peer: str, per_seed: pd.DataFrame,
               references: dict[str, pd.DataFrame], seeds: list[int]) -> Row:
-    """Mean and sample std over seeds, and the paired difference of Avg to each reference (same seeds)."""
-    stats = rules.mean_std(per_seed, rules.SEED_STD_DDOF)
+    """Mean and sample std over seeds, and the paired difference of Avg to each reference (same seeds); with
+    an ``eval_se`` column, its mean over seeds (one model's evaluation noise, to set beside those differences)."""
+    stats = rules.mean_std(per_seed.drop(columns=EVAL_SE, errors="ignore"), rules.SEED_STD_DDOF)
     row = Row(model, peer, method, stats, catalog.method_display(method), ours=method == "graft",
               reference=method == "grpo_n8")
     row.extra = {"seeds": len(per_seed), "of_seeds": len(seeds)}
+    if EVAL_SE in per_seed:
+        row.extra[EVAL_SE] = per_seed[EVAL_SE].mean()
     for name, ref in references.items():
         diff = rules.paired_difference(per_seed[AVG], ref[AVG]) if len(per_seed) else {
             "mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
@@ -521,7 +530,11 @@ def seed_table(a: Analysis, label: str) -> Table:
             if model == BOTH:
                 # A seed counts for the pair average only when both of its models have scores.
                 for m in ran:
-                    scores[(m, BOTH)] = ((scores[(m, model_a)] + scores[(m, model_b)]) / 2).dropna()
+                    a_scores, b_scores = scores[(m, model_a)], scores[(m, model_b)]
+                    both = (a_scores + b_scores) / 2
+                    # the two models' evaluations are independent: their errors add in quadrature
+                    both[EVAL_SE] = (a_scores[EVAL_SE] ** 2 + b_scores[EVAL_SE] ** 2) ** 0.5 / 2
+                    scores[(m, BOTH)] = both.dropna(subset=[AVG])
                 title = "Both models (mean of the two per seed)"
             else:
                 title = f"Updated policy: {catalog.model_display(model)}"

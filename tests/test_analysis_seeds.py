@@ -112,6 +112,11 @@ def test_main_seeds_paired_with_grpo(built):
     assert paired(graft_a) == interval(4, 2)
     assert paired(cell(main, B, "graft")) == interval(3, 2)
     assert paired(cell(main, BOTH, "graft")) == interval(3.5, math.sqrt(3))
+    # Evaluation noise: GRAFT's A checkpoint of seed 0 scored Avg 32 and 36 in its two runs (s.d. 2.83, s.e. 2),
+    # every other checkpoint the same in both runs (s.e. 0); mean over 3 seeds 2/3. Both models: sqrt(2² + 0²) / 2.
+    assert graft_a["eval_se"] == pytest.approx(2 / 3)
+    assert cell(main, B, "graft")["eval_se"] == pytest.approx(0)
+    assert cell(main, BOTH, "graft")["eval_se"] == pytest.approx(1 / 3)
     grpo_a = cell(main, A, "grpo_n8")
     assert paired(grpo_a) == pytest.approx([0, 0, 0, 3])
     assert grpo_a["seeds"] == 3 and grpo_a["of_seeds"] == 3
@@ -145,7 +150,7 @@ def test_compute_seeds_costs(built):
 def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
     assert cli.main(["tables", "--tracking-uri", store_uri, "--experiment", "graft/tiny", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "main-seeds.md").read_text()
-    assert "| **GRAFT** |" in text and "+4.00 [-0.97, +8.97]" in text and "3/3" in text
+    assert "| **GRAFT** |" in text and "+4.00 [-0.97, +8.97] | 0.67 |" in text and "3/3" in text
     assert r"\Delta" in (tmp_path / "main-seeds.tex").read_text()
     assert cli.main(["figures", "--tracking-uri", store_uri, "--experiment", "graft/tiny",
                      "--out", str(tmp_path)]) == 0
