@@ -34,15 +34,15 @@ def _model_name(model: str) -> str:
     return "both models" if model == tables.BOTH else catalog.model_display(model)
 
 
-def separations(frame: pd.DataFrame, reference: str = "grpo_n8") -> list[str]:
+def separations(frame: pd.DataFrame, reference: str = "grpo_n8", skip=()) -> list[str]:
     """The rows of a seed table's CSV whose paired difference to ``reference`` has a 95% interval excluding 0,
-    as ``"GRAFT on both models: +2.10 [+0.40, +3.80]"``."""
+    as ``"GRAFT on both models: +2.10 [+0.40, +3.80]"``; rows of the methods in ``skip`` are left out."""
     lo, hi, mean = (f"vs_{reference}_{k}" for k in ("lo", "hi", "mean"))
     if frame.empty or lo not in frame:
         return []
     found = []
     for _, row in frame.iterrows():
-        if row["method"] == reference or any(pd.isna(row[c]) for c in (lo, hi)):
+        if row["method"] == reference or row["method"] in skip or any(pd.isna(row[c]) for c in (lo, hi)):
             continue
         if row[lo] > 0 or row[hi] < 0:
             found.append(f"{catalog.method_display(row['method'])} on {_model_name(row['updated_model'])}: "
@@ -50,13 +50,21 @@ def separations(frame: pd.DataFrame, reference: str = "grpo_n8") -> list[str]:
     return found
 
 
-def _separation_line(frame: pd.DataFrame) -> str:
-    pairs = frame[[c for c in frame if c.startswith("vs_grpo_n8_n")]].max().max() if not frame.empty else 0
-    found = separations(frame)
-    if not found:
-        return (f"No method's paired difference to GRPO (n=8) has a 95% interval that excludes zero "
-                f"({0 if pd.isna(pairs) else int(pairs)} paired seeds at most).")
-    return "Paired differences to GRPO (n=8) whose 95% interval excludes zero: " + "; ".join(found) + "."
+def _separation_lines(frame: pd.DataFrame) -> list[str]:
+    """One line per reference of the table (GRPO (n=8); also GRAFT in the ablation table)."""
+    references = sorted((c[len("vs_"):-len("_lo")] for c in frame if c.startswith("vs_") and c.endswith("_lo")),
+                        key=lambda r: (r != "grpo_n8", r)) if not frame.empty else ["grpo_n8"]
+    lines = []
+    for reference in references:
+        name = catalog.method_display(reference)
+        found = separations(frame, reference, skip=references)   # the references' mirror images
+        if found:
+            lines.append(f"Paired differences to {name} whose 95% interval excludes zero: " + "; ".join(found) + ".")
+            continue
+        pairs = frame.get(f"vs_{reference}_n", pd.Series(dtype=float)).max()
+        lines.append(f"No method's paired difference to {name} has a 95% interval that excludes zero "
+                     f"({0 if pd.isna(pairs) else int(pairs)} paired seeds at most).")
+    return lines
 
 
 def section(out: Path, readme: Path) -> str:
@@ -72,8 +80,8 @@ def section(out: Path, readme: Path) -> str:
     for label in TABLES:
         csv = out / f"{label}.csv"
         frame = pd.read_csv(csv) if csv.stat().st_size > 1 else pd.DataFrame()
-        parts += [f"**{label}**", "", (out / f"{label}.md").read_text(encoding="utf-8").strip(), "",
-                  _separation_line(frame), ""]
+        parts += [f"**{label}**", "", (out / f"{label}.md").read_text(encoding="utf-8").strip(), ""]
+        parts += [line for text in _separation_lines(frame) for line in (text, "")]
     for name, caption in FIGURES.items():
         shutil.copyfile(out / f"{name}.png", figure_dir / f"{name}.png")
         link = (figure_dir / f"{name}.png").relative_to(readme.parent).as_posix()

@@ -95,15 +95,19 @@ def _delta_tex(row: Row) -> str:
     return "--" if pd.isna(delta) else (r"\up" if delta >= 0 else r"\dn") + f"{{{abs(delta):.2f}}}"
 
 
+def _band_md(text: str, columns: int) -> str:
+    """A full-width label row: the text in the first cell and ``columns - 1`` empty cells after it."""
+    return f"| {text} |" + " |" * (columns - 1)
+
+
 def results_md(table: Table) -> str:
     columns = [*table.benches, AVG]
     header = ["Method", *map(catalog.bench_display, table.benches), "Avg.", "Δ Avg"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    blank = " |" * (len(header) - 1)
     for item in table.items:
         if isinstance(item, Band):
             text = {"pair": f"**{item.text}**", "model": f"*{item.text}*", "section": f"_{item.text}_"}[item.level]
-            lines.append(f"| {text}{blank}")
+            lines.append(_band_md(text, len(header)))
         else:
             label = f"**{item.label}**" if item.ours else item.label
             lines.append("| " + " | ".join([label, *(_md_cell(item, c) for c in columns), _delta_md(item)]) + " |")
@@ -175,7 +179,7 @@ def ablation_md(table: Table) -> str:
         for items in _ablation_lines(table, subtable):
             first = items[0]
             if isinstance(first, Band):
-                lines.append(f"| _{first.text}_" + " |" * (len(header) - 1))
+                lines.append(_band_md(f"_{first.text}_", len(header)))
                 continue
             cells = [c for row in items for c in (_md_cell(row, AVG), _delta_md(row))]
             label = first.label if first.method in ("graft", "grpo_n8") else f"  {first.label}"
@@ -394,11 +398,10 @@ def seeds_md(table: Table) -> str:
                if "eval_se" in extras else ""))
     lines = [note, "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    blank = " |" * (len(header) - 1)
     for item in table.items:
         if isinstance(item, Band):
-            lines.append(f"| {'**' if item.level == 'pair' else '*'}{item.text}"
-                         f"{'**' if item.level == 'pair' else '*'}{blank}")
+            mark = "**" if item.level == "pair" else "*"
+            lines.append(_band_md(f"{mark}{item.text}{mark}", len(header)))
         else:
             label = f"**{item.label}**" if item.ours else item.label
             lines.append("| " + " | ".join([label, *_seed_cells(item, table, extras, tex=False)]) + " |")

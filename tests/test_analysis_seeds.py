@@ -8,6 +8,7 @@ t quantile for 2 degrees of freedom at 97.5% is 4.302653.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -192,3 +193,17 @@ def test_seed_figure_points_match_tables(built):
     analysis, frames = built
     points = figures.seed_budget_points(tables.compute_seeds(analysis))
     assert set(points["method"]) == set(frames["compute-seeds"]["method"])
+
+
+def test_readme_section_is_generated_and_its_figures_exist():
+    """The project's README carries one generated tiny-study section (from `python -m analysis readme`), with
+    every table and figure it links to."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    readme.splice(text, "")     # exactly one well-formed section, or SectionError
+    generated = text.split(readme.BEGIN, 1)[1].split(readme.END, 1)[0]
+    for label in readme.TABLES:
+        assert f"**{label}**" in generated
+    for name in readme.FIGURES:
+        assert (root / "docs" / "tiny" / f"{name}.png").stat().st_size > 0
+        assert f"](docs/tiny/{name}.png)" in generated

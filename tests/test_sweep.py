@@ -52,7 +52,7 @@ def test_expand_is_a_product_in_written_order():
 
 def test_one_file_per_table_with_its_study(sweeps):
     assert set(sweeps) == {"main", "ablation", "alternatives", "delta", "stability", "stored",
-                           "clip_dynamics", "compute", "tiny"}
+                           "clip_dynamics", "compute", "tiny", "tiny_lr"}
     for name, sweep in sweeps.items():
         assert sweep.study == name
         for sj in sweep.jobs:
