@@ -153,6 +153,8 @@ def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
     text = (tmp_path / "main-seeds.md").read_text()
     assert "| **GRAFT** |" in text and "+4.00 [-0.97, +8.97] | 0.67 |" in text and "3/3" in text
     assert r"\Delta" in (tmp_path / "main-seeds.tex").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    assert len({line.count(" |") for line in rows}) == 1, "band rows must span every column"
     assert cli.main(["figures", "--tracking-uri", store_uri, "--experiment", "graft/tiny",
                      "--out", str(tmp_path)]) == 0
     curves = pd.read_csv(tmp_path / "val-curves-seeds.csv")
