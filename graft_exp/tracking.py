@@ -19,11 +19,13 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlflow.data
+import mlflow.exceptions
 import pandas as pd
 from mlflow.data.code_dataset_source import CodeDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
@@ -422,7 +424,7 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     if job is not None:
         job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
         job.log_params(run_params(cfg))
-        client.log_inputs(job.run_id, datasets=dataset_inputs(cfg))   # MLflow skips inputs already logged
+        log_dataset_inputs(client, job.run_id, cfg)
     return job
 
 
@@ -496,6 +498,22 @@ def dataset_inputs(cfg: DictConfig) -> list[DatasetInput]:
     return _tiny_inputs(cfg) if cfg.pair.data == "tiny_arith" else _parquet_inputs(cfg)
 
 
+def log_dataset_inputs(client: MlflowClient, run_id: str, cfg: DictConfig, attempts: int = 5) -> None:
+    """Log :func:`dataset_inputs` on ``run_id``. MLflow's store finds or creates each dataset of the
+    experiment in two statements, so jobs that start together (a multirun, a Slurm array) can both try
+    to create the same one and the second fails on the unique key. Logging is idempotent (inputs
+    already logged are skipped), so the loser retries and finds the winner's rows."""
+    datasets = dataset_inputs(cfg)
+    for attempt in range(attempts):
+        try:
+            client.log_inputs(run_id, datasets=datasets)
+            return
+        except mlflow.exceptions.MlflowException:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
 def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | None:
     """The model run of ``role`` under ``job`` (new or resumed), or None when this job must not
     train that model: its run is FINISHED already (e.g. a GRPO baseline trained for another pair),
@@ -519,5 +537,5 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
         if run.resumed:
             run.set_tags(common_tags(cfg))
         run.log_params(run_params(cfg))
-        job.client.log_inputs(run.run_id, datasets=dataset_inputs(cfg))   # MLflow skips inputs already logged
+        log_dataset_inputs(job.client, run.run_id, cfg)
     return run

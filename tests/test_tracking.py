@@ -3,6 +3,7 @@ FINISHED keys, resumption of unfinished ones (same run, each step once), refusal
 copy, ownership of shared GRPO baselines, GPU accounting."""
 
 import logging
+import multiprocessing
 import shutil
 import socket
 import subprocess
@@ -322,3 +323,38 @@ def test_analysis_outputs_logged_as_a_run_the_analysis_skips(uri, tmp_path):
         logged = {Path(f.path).name for f in client.list_artifacts(run.info.run_id, command)}
         assert logged == {p.name for p in out.iterdir()} and len(logged) > 5
     assert sorted(load_store(uri).runs.index) == before
+
+
+def _log_inputs_together(uri, experiment_ids, cfg, barrier, results):
+    """One of several processes: in each experiment, create a run, wait for the others, then log the same
+    datasets as they do (several fresh experiments, so that the race is run several times)."""
+    client = MlflowClient(uri)
+    for experiment_id in experiment_ids:
+        run_id = client.create_run(experiment_id).info.run_id
+        barrier.wait()
+        try:
+            tracking.log_dataset_inputs(client, run_id, cfg)
+            results.put((run_id, "ok"))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results.put((run_id, f"{type(error).__name__}: {error}"))
+
+
+def test_jobs_starting_together_log_the_same_datasets(cfg, uri):
+    """Jobs of a multirun log the same dataset inputs at the same moment into a fresh experiment: MLflow
+    finds-or-creates each dataset in two statements, and the loser of that race must not fail its job
+    (without the retry, most runs of this test see at least one such failure)."""
+    experiment_ids = [tracking.ensure_store(uri, f"graft/together-{i}") for i in range(5)]
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(4), context.Queue()
+    workers = [context.Process(target=_log_inputs_together, args=(uri, experiment_ids, cfg, barrier, results))
+               for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    outcomes = dict(results.get(timeout=240) for _ in range(len(workers) * len(experiment_ids)))
+    for worker in workers:
+        worker.join(timeout=60)
+    assert set(outcomes.values()) == {"ok"}, outcomes
+    expected = {d.dataset.name for d in tracking.dataset_inputs(cfg)}
+    client = MlflowClient(uri)
+    for run_id in outcomes:
+        assert {d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs} == expected
