@@ -99,6 +99,8 @@ def splice(text: str, generated: str) -> str:
 
 
 def write(out: Path, readme: Path) -> Path:
-    readme.write_text(splice(readme.read_text(encoding="utf-8"), section(out, readme)), encoding="utf-8")
+    text = readme.read_text(encoding="utf-8")
+    splice(text, "")   # a README without its section is refused before any figure is copied
+    readme.write_text(splice(text, section(out, readme)), encoding="utf-8")
     return readme
 

@@ -186,9 +186,11 @@ def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
     # Regenerating is idempotent, and a README without the markers is refused, unchanged.
     assert cli.main(["readme", str(project / "README.md"), "--out", str(tmp_path)]) == 0
     assert (project / "README.md").read_text() == text
-    (project / "OTHER.md").write_text("no markers\n")
-    assert cli.main(["readme", str(project / "OTHER.md"), "--out", str(tmp_path)]) == 2
-    assert (project / "OTHER.md").read_text() == "no markers\n"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "OTHER.md").write_text("no markers\n")
+    assert cli.main(["readme", str(elsewhere / "OTHER.md"), "--out", str(tmp_path)]) == 2
+    assert (elsewhere / "OTHER.md").read_text() == "no markers\n" and not (elsewhere / "docs").exists()
 
 
 def test_seed_figure_points_match_tables(built):
