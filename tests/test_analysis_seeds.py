@@ -191,6 +191,9 @@ def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
     (elsewhere / "OTHER.md").write_text("no markers\n")
     assert cli.main(["readme", str(elsewhere / "OTHER.md"), "--out", str(tmp_path)]) == 2
     assert (elsewhere / "OTHER.md").read_text() == "no markers\n" and not (elsewhere / "docs").exists()
+    # An output directory that tables/figures never wrote into is refused, the README unchanged.
+    assert cli.main(["readme", str(project / "README.md"), "--out", str(elsewhere)]) == 2
+    assert (project / "README.md").read_text() == text
 
 
 def test_seed_figure_points_match_tables(built):
