@@ -6,6 +6,8 @@ Everything here is display or bookkeeping; the runs themselves are identified by
 
 from __future__ import annotations
 
+from graft_exp.methods import METHODS
+
 #: The paper's benchmark order (Table 1); benchmarks of other suites follow alphabetically.
 BENCH_ORDER = ("math500", "aime2024", "aime2025", "amc23", "minerva")
 BENCH_DISPLAY = {
@@ -49,30 +51,8 @@ DELTA_PARAM = "method.delta"
 SINGLE_MODEL_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds")
 N8_METHODS = ("grpo_n8", "hacpo", "sgt", "graft")
 
-METHOD_DISPLAY = {
-    "grpo_n8": "GRPO (n=8)",
-    "grpo_n16": "GRPO (n=16)",
-    "grpo_n32": "GRPO (n=32)",
-    "grpo_ds": "GRPO (n=8) + Dynamic Sampling",
-    "hacpo": "HACPO",
-    "sgt": "SGT",
-    "graft": "GRAFT",
-    "graft_stored": "GRAFT w/ stored traj.",
-    "graft_no_gate": "w/o compatibility gate",
-    "graft_no_floor": "δ=0 (no floor)",
-    "graft_no_balance": "w/o balanced exchange",
-    "graft_seq_ratio": "w/o token-level ratio",
-    "graft_random_prompts": "random prompts",
-    "graft_random_admission": "random admission",
-    "graft_peer_first": "peer minibatches first",
-    "graft_peer_uniform": "peer minibatches uniform",
-    "graft_pooled": "pooled with receiver group",
-    "graft_success_only": "success-only",
-    "graft_success_only_no_floor": "+ w/o floor",
-    "hacpo_which": "HACPO + GRAFT which",
-    "sgt_which": "SGT + GRAFT which",
-    "graft_luffy": "GRAFT + LUFFY update",
-}
+#: Paper-style names of the methods, from their declarations (graft_exp/methods.py).
+METHOD_DISPLAY = {name: decl.display for name, decl in METHODS.items()}
 
 #: Methods drawn in the validation-curve figure, costed in the compute table and Fig. 3, and in the clip table.
 CURVE_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "hacpo", "sgt", "graft")

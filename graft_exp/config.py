@@ -17,14 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
-SELECTIONS = ("none", "balanced", "complementary", "rescue", "random_prompts", "all")
-PEER_LOSSES = ("none", "graft", "luffy", "nll", "hacpo")
-ADMISSIONS = ("gate", "random")
-RATIOS = ("token", "sequence")
-PEER_POSITIONS = ("last", "first", "uniform")
-ADVANTAGES = ("source", "pooled")
-PEER_RESPONSES = ("all", "success")
-SOURCES = ("online", "stored")
+from graft_exp import methods
+
 BACKENDS = ("local", "verl")
 ROLES = ("A", "B")               # the two models of a pair
 PEER_OF = {"A": "B", "B": "A"}
@@ -38,6 +32,8 @@ class ConfigError(ValueError):
 class HacpoConfig:
     """HACPO's released configuration (paper App. B; official code recipe/hacpo)."""
 
+    # The same numbers as graft_exp.algorithms.hacpo's HACPO_* defaults (test_config checks it); written
+    # out here because the config layer does not import torch.
     self_clip_low: float = 3e-4
     self_clip_high: float = 4e-4
     peer_clip_init: float = 0.8      # L_m = min(1, init + step * m)
@@ -188,9 +184,7 @@ def register_schemas() -> None:
 
 def minibatch_prompts(cfg: DictConfig) -> int:
     """Prompt groups per optimizer minibatch: Table 3's 32 (of 128), HACPO's released 64."""
-    if cfg.method.peer_loss == "hacpo":
-        return int(cfg.method.hacpo.minibatch_prompts)
-    return int(cfg.train.minibatch_prompts)
+    return methods.resolve(cfg.method).minibatch_prompts(cfg.train)
 
 
 def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
@@ -231,16 +225,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"method.clip_ratio_c={method.clip_ratio_c} must be > 1 (verl's dual clip; 3.0)")
     if method.adv_eps <= 0:
         raise ConfigError(f"method.adv_eps={method.adv_eps} must be > 0 (paper: 1e-6)")
-    _choice(method.source, SOURCES, "method.source")
-    _choice(method.selection, SELECTIONS, "method.selection")
-    _choice(method.peer_loss, PEER_LOSSES, "method.peer_loss")
-    _choice(method.admission, ADMISSIONS, "method.admission")
-    _choice(method.ratio, RATIOS, "method.ratio")
-    _choice(method.peer_position, PEER_POSITIONS, "method.peer_position")
-    _choice(method.advantages, ADVANTAGES, "method.advantages")
-    _choice(method.peer_responses, PEER_RESPONSES, "method.peer_responses")
+    try:
+        methods.declaration(method.name)
+        spec = methods.resolve(method)
+    except methods.UnknownName as err:
+        raise ConfigError(str(err)) from err
     _choice(cfg.backend.name, BACKENDS, "backend")
-    exchanges = method.selection != "none" or method.peer_loss != "none"
+    exchanges = spec.selection.transfers or spec.peer_loss.transfers
     if method.co_train != exchanges:
         raise ConfigError(
             f"method {method.name!r}: co_train={method.co_train} but selection={method.selection!r}, "
@@ -250,10 +241,10 @@ def validate(cfg: DictConfig) -> None:
     if method.co_train and method.dynamic_sampling:
         raise ConfigError("method.dynamic_sampling is a single-model GRPO baseline (grpo_ds); "
                           "it cannot be combined with trajectory exchange")
-    if method.source == "stored" and method.selection in ("balanced", "random_prompts"):
+    if spec.replays_stored_log and not spec.selection.one_direction_ok:
         raise ConfigError(
-            "stored-trajectory replay transfers in one direction only, so balanced exchange is "
-            "inactive: set method.selection=complementary (as conf/method/graft_stored.yaml does)"
+            f"stored-trajectory replay transfers in one direction only, so method.selection={method.selection} "
+            "is inactive: set method.selection=complementary (as conf/method/graft_stored.yaml does)"
         )
     if cfg.backend.name == "verl" and pair.gpus < 1:
         raise ConfigError(

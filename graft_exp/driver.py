@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import reward, tracking
+from graft_exp import methods, reward, tracking
 from graft_exp.algorithms import (
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
@@ -38,7 +38,7 @@ from graft_exp.algorithms import (
     hacpo_capability_ratio,
     hacpo_positive_rate,
 )
-from graft_exp.config import PEER_OF, ROLES, minibatch_prompts
+from graft_exp.config import PEER_OF, ROLES
 from graft_exp.evaluation import AVG, BestCheckpoint, Generate, evaluate, final_evaluation, is_validation_step
 from graft_exp.exchange import (
     ReceiverBatch,
@@ -224,12 +224,13 @@ class Driver:
 
     def __init__(self, cfg: DictConfig, job: tracking.TrackedRun, backend_factory):
         self.cfg, self.job, self.method = cfg, job, cfg.method
+        self.components = methods.resolve(cfg.method)     # what the method's selection, admission, loss answer
         self.spec = LossSpec.from_method(cfg.method)
         self.root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
         if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
             shutil.rmtree(self.root, ignore_errors=True)
         stored = {}
-        if self.method.source == "stored":
+        if self.components.replays_stored_log:
             stored = {role: download_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
                                                 self.root / "stored" / cfg.pair[PEER_OF[role]]) for role in ROLES}
         reward.default_pool().start()   # the verification workers start while the models load
@@ -333,7 +334,7 @@ class Driver:
         #    on the method's loss (eq. 10 for GRAFT; objective.py).
         def update(role):
             with timer(role):
-                order = batches[role].minibatches(method, minibatch_prompts(self.cfg),
+                order = batches[role].minibatches(self.components, self.components.minibatch_prompts(self.cfg.train),
                                                   generator(self.cfg.seed, step, role, "order"))
                 return self.backend.update(role, self.spec, batches[role], order, own[role], sources[role], ratios[role])
         counts = self.each(update)
@@ -346,16 +347,16 @@ class Driver:
         """Each receiver's batch by the method: online exchange (both directions, balanced), stored replay
         (one direction per receiver), or own groups only (single-model GRPO). Returns (batches, sources,
         HACPO capability ratios, the job's exchange metrics)."""
-        method, rollouts = self.method, {role: s.rollouts for role, s in own.items()}
+        method, rollouts = self.components, {role: s.rollouts for role, s in own.items()}
         gen, ratios = generator(self.cfg.seed, step, "exchange"), {role: 1.0 for role in own}
-        if method.co_train and method.source == "online":
-            if method.peer_loss == "hacpo":
+        if method.co_train and not method.replays_stored_log:
+            if method.peer_loss.capability_advantages:
                 ratios["A"], ratios["B"] = self.capability_ratios(rollouts)
             batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method, rollouts["A"], rollouts["B"],
                                                            (scorers["A"], scorers["B"]), gen, (ratios["A"], ratios["B"]))
             return ({"A": batch_a, "B": batch_b}, {"A": rollouts["B"], "B": rollouts["A"]}, ratios,
                     {"exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())})
-        if method.source == "stored":
+        if method.replays_stored_log:
             batches, sources = {}, {}
             for role, sampled in own.items():
                 sources[role] = self.stored_source(role, step, sampled)

@@ -4,16 +4,16 @@ to each receiver's training batch (paper §3, Alg. 1; baselines App. B; variants
 The whole step, for receiver R and source S (``plan_step`` runs it in both directions)::
 
     k_A, k_B          = successes per prompt                       (Rollouts.k)
-    (A->B, B->A)      = select_prompts(method, k_A, k_B)            eq. (3) + SelectWithTies / variants
+    (A->B, B->A)      = method.selection.rule(k_A, k_B)             eq. (3) + SelectWithTies / variants
     for R, S:
       s(o|q)          = score(S's responses on selected q)          eq. (8), receiver-old vs source-old
-      w(o|q)          = peer_weights(method, s, rewards)            eq. (9) / no gate / random / success
+      w(o|q)          = method.weights(s, rewards)                  eq. (9) / no gate / random / success
       rows            = own groups, selected groups replaced by S's whole group with S's advantages
                         (w = 0 rows removed; pooled variant keeps both groups, HACPO pools everything)
       minibatches     = ordering(method.peer_position)              peer-last by default
 
-Everything numeric is delegated to ``graft_exp.algorithms``; this module only routes the method
-config. Scoring needs the receiver's model, so the backend passes a ``Scorer``: given prompt indices
+Everything numeric is delegated to ``graft_exp.algorithms``; this module only routes by the answers
+of the method's components (``graft_exp.methods``). Scoring needs the receiver's model, so the backend passes a ``Scorer``: given prompt indices
 and the source's responses, it returns the receiver-old summed log-probs and token counts of their
 re-tokenizations (it may cache the per-token values it computes for the update that follows).
 """
@@ -26,20 +26,14 @@ from dataclasses import dataclass, field
 import torch
 
 from graft_exp.algorithms import (
-    EXCHANGE_RULES,
     MINIBATCH_ORDERINGS,
-    PEER_WEIGHTINGS,
     compatibility_score,
-    complementary_candidates,
-    count_matched_random_exchange,
     draw_one_correct_response,
-    grpo_advantages,
     hacpo_advantages,
     hacpo_which_advantages,
     pooled_group_advantages,
-    random_admission_weights,
-    success_only_weights,
 )
+from graft_exp.methods import Method
 from graft_exp.rollouts import Rollouts
 
 SELF, PEER = "self", "peer"
@@ -71,7 +65,7 @@ class ReceiverBatch:
     nll: list[tuple[int, int]] = field(default_factory=list)   # SGT: (prompt, peer sample) pairs
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def minibatches(self, method, groups_per_minibatch: int, generator: torch.Generator) -> list[list[int]]:
+    def minibatches(self, method: Method, groups_per_minibatch: int, generator: torch.Generator) -> list[list[int]]:
         """Group indices of each minibatch, in processing order (peer-last / first / uniform)."""
         order = MINIBATCH_ORDERINGS[method.peer_position](self.group_is_peer, groups_per_minibatch, generator)
         return [groups.tolist() for groups in order]
@@ -87,54 +81,25 @@ class ReceiverBatch:
         return [(q, i) for q, i in self.nll if q in wanted]
 
 
-def select_prompts(method, k_a: torch.Tensor, k_b: torch.Tensor, n: int,
+def select_prompts(method: Method, k_a: torch.Tensor, k_b: torch.Tensor, n: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a_to_b, b_to_a)`` bool [P]: on which prompts each receiver gets the source's group.
-
-    balanced: eq. (3) + SelectWithTies to m = min(|C_AB|, |C_BA|) (GRAFT, sgt_which, hacpo_which);
-    complementary: eq. (3) in each direction, unbalanced (stored replay: one direction anyway);
-    rescue: receiver k = 0 and source k >= 1 (SGT; graft_no_balance); random_prompts: as many prompts
-    as ``balanced`` takes, drawn uniformly; all: every prompt (HACPO); none: no exchange.
-    """
-    if method.selection == "none":
-        nothing = torch.zeros_like(k_a, dtype=torch.bool)
-        return nothing, nothing.clone()
-    if method.selection == "all":
-        every = torch.ones_like(k_a, dtype=torch.bool)
-        return every, every.clone()
-    if method.selection == "complementary":
-        return complementary_candidates(k_a, k_b, n), complementary_candidates(k_b, k_a, n)
-    if method.selection == "rescue":
-        return EXCHANGE_RULES["rescue"](k_a, k_b, n)
-    a_to_b, b_to_a = EXCHANGE_RULES["balanced"](k_a, k_b, n)
-    if method.selection == "random_prompts":
-        a_to_b, b_to_a = count_matched_random_exchange(a_to_b, b_to_a, generator)
-    return a_to_b, b_to_a
+    """``(a_to_b, b_to_a)`` bool [P]: on which prompts each receiver gets the source's group, by the
+    method's selection rule (``methods.SELECTIONS``)."""
+    return method.selection.rule(k_a, k_b, n, generator)
 
 
-def peer_weights(method, score: torch.Tensor, rewards: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """w(o|q) of the transferred responses ([S, n]): eq. (9), or the variant's rule. 0 = removed."""
-    if method.peer_loss in ("luffy", "hacpo") or not method.gate:
-        weights = PEER_WEIGHTINGS["ungated"](score, method.delta)
-    elif method.admission == "random":
-        weights = random_admission_weights(score, method.delta, generator)
-    else:
-        weights = PEER_WEIGHTINGS["gated"](score, method.delta)
-    if method.peer_responses == "success":
-        weights = success_only_weights(weights, rewards)
-    return weights
-
-
-def assemble(method, receiver: Rollouts, source: Rollouts, selected: torch.Tensor, scorer: Scorer,
-             generator: torch.Generator, hacpo: dict | None = None) -> ReceiverBatch:
+def assemble(method: Method, receiver: Rollouts, source: Rollouts, selected: torch.Tensor, scorer: Scorer,
+             generator: torch.Generator, capability: dict | None = None) -> ReceiverBatch:
     """The receiver's training batch (Alg. 1, "Replace selected groups using the original source
-    rollouts"). ``hacpo``: {"capability_ratio": float, "which": bool [P] or None} for HACPO methods."""
+    rollouts"). ``capability``: {"ratio": float, "which": bool [P] or None} for a peer loss with
+    capability-aware advantages (HACPO)."""
     prompts, n = receiver.rewards.shape
     chosen = torch.nonzero(selected).flatten().tolist()
     own_adv, src_adv = receiver.advantages.clone(), source.advantages.clone()
     metrics = {"peer_groups": float(len(chosen)), "peer_admitted": 0.0}
+    peer_loss, adv_eps = method.peer_loss, float(method.config.adv_eps)
 
-    if method.peer_loss == "nll":
+    if peer_loss.nll_only:
         # SGT: own groups untouched, plus the NLL of one uniformly drawn correct peer response. It is GRPO
         # plus that term: its minibatches keep GRPO's order (no group counts as peer for the packing).
         draw = draw_one_correct_response(source.rewards, selected, generator)
@@ -149,31 +114,30 @@ def assemble(method, receiver: Rollouts, source: Rollouts, selected: torch.Tenso
         recv_sum, recv_count = scorer(chosen, source)
         score = compatibility_score(recv_sum, recv_count, source.logp_sum[chosen], source.num_tokens[chosen])
         metrics["compat_mean"] = float(score.mean())
-    weights = peer_weights(method, score, source.rewards[chosen], generator)
+    weights = method.weights(score, source.rewards[chosen], generator)
     keep_own = ~selected
-    if method.peer_loss == "hacpo":
+    if peer_loss.capability_advantages:
         # HACPO pools every prompt: own and peer groups both stay, with capability-aware advantages.
-        own_adv, src_adv = hacpo_advantages(receiver.rewards, source.rewards, hacpo["capability_ratio"],
-                                            method.adv_eps)
-        if hacpo.get("which") is not None:
-            src_adv = hacpo_which_advantages(src_adv, hacpo["which"])
+        own_adv, src_adv = hacpo_advantages(receiver.rewards, source.rewards, capability["ratio"], adv_eps)
+        if capability.get("which") is not None:
+            src_adv = hacpo_which_advantages(src_adv, capability["which"])
         keep_own = torch.ones(prompts, dtype=torch.bool)
-    elif method.advantages == "pooled" and chosen:
+    elif method.advantages.pooled_with_receiver and chosen:
         own_adv[chosen], src_adv[chosen] = pooled_group_advantages(
-            receiver.rewards[chosen], source.rewards[chosen], method.adv_eps)
+            receiver.rewards[chosen], source.rewards[chosen], adv_eps)
         keep_own = torch.ones(prompts, dtype=torch.bool)
 
     # HACPO's minibatches hold own groups (0..P-1) and peer groups (P..2P-1) separately; GRAFT's
     # variants keep a prompt's slot: a replaced (or pooled) group is one group.
-    separate = method.peer_loss == "hacpo"
-    group_is_peer = torch.zeros(2 * prompts if separate else prompts, dtype=torch.bool)
+    groups_per_prompt = peer_loss.groups_per_prompt
+    group_is_peer = torch.zeros(groups_per_prompt * prompts, dtype=torch.bool)
     rows = []
     peer_of = {q: j for j, q in enumerate(chosen)}
     for q in range(prompts):
         if keep_own[q]:
             rows += [Row(q, SELF, q, i, float(own_adv[q, i]), 1.0) for i in range(n)]
         if q in peer_of:
-            group = prompts + q if separate else q
+            group = (groups_per_prompt - 1) * prompts + q
             group_is_peer[group] = True
             j = peer_of[q]
             rows += [Row(group, PEER, q, i, float(src_adv[q, i]), float(weights[j, i]))
@@ -182,30 +146,27 @@ def assemble(method, receiver: Rollouts, source: Rollouts, selected: torch.Tenso
     return ReceiverBatch(rows, group_is_peer, [], metrics)
 
 
-def plan_step(method, a: Rollouts, b: Rollouts, scorers: tuple[Scorer, Scorer], generator: torch.Generator,
+def plan_step(method: Method, a: Rollouts, b: Rollouts, scorers: tuple[Scorer, Scorer], generator: torch.Generator,
               capability_ratios: tuple[float, float] | None = None
               ) -> tuple[ReceiverBatch, ReceiverBatch, tuple[torch.Tensor, torch.Tensor]]:
     """Both receivers' batches for one co-training step: (batch of A, batch of B, (a_to_b, b_to_a)).
 
-    ``scorers`` = (A's scorer of B's responses, B's scorer of A's responses). HACPO methods pool
-    every prompt; ``hacpo_which`` keeps its peer advantages only on the balanced selection, and
-    ``capability_ratios`` = (ratio B->A, ratio A->B) of HACPO's capability tracker.
+    ``scorers`` = (A's scorer of B's responses, B's scorer of A's responses). A peer loss that pools every
+    prompt (HACPO) transfers every group; a selection rule that singles prompts out (``hacpo_which``)
+    then keeps the peer advantages only on the prompts it selected; ``capability_ratios`` = (ratio B->A,
+    ratio A->B) of HACPO's capability tracker.
     """
     a_to_b, b_to_a = select_prompts(method, a.k, b.k, a.n, generator)
-    hacpo_a = hacpo_b = None
-    if method.peer_loss == "hacpo":
-        which = method.selection != "all"
-        hacpo_a = {"capability_ratio": capability_ratios[0], "which": b_to_a if which else None}
-        hacpo_b = {"capability_ratio": capability_ratios[1], "which": a_to_b if which else None}
+    capability_a = capability_b = None
+    if method.peer_loss.capability_advantages:
+        which = not method.selection.every_prompt
+        capability_a = {"ratio": capability_ratios[0], "which": b_to_a if which else None}
+        capability_b = {"ratio": capability_ratios[1], "which": a_to_b if which else None}
+    if method.peer_loss.pools_every_prompt:
         a_to_b = b_to_a = torch.ones_like(a_to_b)
-    batch_a = assemble(method, a, b, b_to_a, scorers[0], generator, hacpo_a)
-    batch_b = assemble(method, b, a, a_to_b, scorers[1], generator, hacpo_b)
+    batch_a = assemble(method, a, b, b_to_a, scorers[0], generator, capability_a)
+    batch_b = assemble(method, b, a, a_to_b, scorers[1], generator, capability_b)
     return batch_a, batch_b, (a_to_b, b_to_a)
-
-
-def group_advantages(rewards: torch.Tensor, method) -> torch.Tensor:
-    """GRPO advantages of one model's groups (eq. 1; zero-variance groups get 0)."""
-    return grpo_advantages(rewards, method.adv_eps)
 
 
 def peer_solved_frac(own: Rollouts, peer: Rollouts) -> float:

@@ -9,11 +9,23 @@ micro-batching and data parallelism leave eq. (10) intact. The numbers come from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from graft_exp.algorithms import POLICY_LOSSES, hacpo_kl_loss, hacpo_policy_loss, sgt_nll_loss
+from graft_exp.algorithms import (
+    HACPO_CROSS_CLIP_DELTA,
+    HACPO_CROSS_CLIP_STEP,
+    HACPO_KL_COEF,
+    HACPO_SELF_CLIP_HIGH,
+    HACPO_SELF_CLIP_LOW,
+    POLICY_LOSSES,
+    hacpo_kl_loss,
+    hacpo_policy_loss,
+    sgt_nll_loss,
+)
+from graft_exp.methods import Registry, resolve
 
 #: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
 #: sequences) of own and peer rows, of those the clipped ones, and SGT's NLL tokens.
@@ -22,39 +34,66 @@ COUNT_METRICS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_t
 
 
 @dataclass(frozen=True)
+class Objective:
+    """A receiver loss: ``loss(spec, log_prob, mask, advantages, weights, is_peer, **columns)`` and the
+    per-row ``columns`` it reads beyond those (the backends build exactly these)."""
+
+    loss: Callable
+    columns: frozenset[str]
+    sequence_level: bool = False    # averages and clip counts over sequences (the count metrics' seqs_*)
+    kl_to_reference: bool = False   # a KL term to the frozen initial policy when ``hacpo_kl_coef > 0``
+
+
+#: The receiver losses by name (``methods.PeerLoss.objective`` / ``methods.RATIOS`` name them).
+OBJECTIVES = Registry("receiver loss")
+
+
+@dataclass(frozen=True)
 class LossSpec:
     """Which objective a receiver optimises, from the method config (picklable: it travels to verl's
     Ray workers inside the loss function)."""
 
-    kind: str                       # graft | sequence_ratio | luffy | sgt | hacpo
+    kind: str                       # an ``OBJECTIVES`` key: graft | sequence_ratio | luffy | sgt | hacpo
     clip_low: float = 0.2
     clip_high: float = 0.28
     clip_ratio_c: float | None = None   # verl's dual clip for negative advantages (every method sets 3.0)
     luffy_gamma: float = 0.1
     sgt_lambda: float = 0.1
-    hacpo_self_clip_low: float = 3e-4
-    hacpo_self_clip_high: float = 4e-4
-    hacpo_cross_clip_delta: float = 0.2
-    hacpo_cross_clip_step: float = 0.025
-    hacpo_kl_coef: float = 1e-3
+    hacpo_self_clip_low: float = HACPO_SELF_CLIP_LOW
+    hacpo_self_clip_high: float = HACPO_SELF_CLIP_HIGH
+    hacpo_cross_clip_delta: float = HACPO_CROSS_CLIP_DELTA
+    hacpo_cross_clip_step: float = HACPO_CROSS_CLIP_STEP
+    hacpo_kl_coef: float = HACPO_KL_COEF
 
     @classmethod
     def from_method(cls, method) -> LossSpec:
         """The objective of a method config (``cfg.method``). Single-model GRPO is ``graft`` with no
         peer rows, which is the token-mean GRPO loss (eq. 2)."""
-        kinds = {"hacpo": "hacpo", "nll": "sgt", "luffy": "luffy"}
-        kind = kinds.get(method.peer_loss, "sequence_ratio" if method.ratio == "sequence" else "graft")
         hacpo = method.hacpo
-        return cls(kind=kind, clip_low=float(method.clip_low), clip_high=float(method.clip_high),
+        return cls(kind=resolve(method).objective, clip_low=float(method.clip_low), clip_high=float(method.clip_high),
                    clip_ratio_c=float(method.clip_ratio_c), luffy_gamma=float(method.luffy_gamma), sgt_lambda=float(method.sgt_lambda),
                    hacpo_self_clip_low=float(hacpo.self_clip_low), hacpo_self_clip_high=float(hacpo.self_clip_high),
                    hacpo_cross_clip_delta=1.0 - float(hacpo.peer_clip_init),
                    hacpo_cross_clip_step=float(hacpo.peer_clip_step), hacpo_kl_coef=float(hacpo.kl_coef))
 
     @property
+    def objective(self) -> Objective:
+        return OBJECTIVES.get(self.kind)
+
+    @property
+    def columns(self) -> frozenset[str]:
+        """The per-row inputs of this loss beyond log-probs, mask, advantages, weights and ``is_peer``."""
+        return self.objective.columns
+
+    @property
     def sequence_level(self) -> bool:
         """HACPO averages over sequences (its denominators and clip counts are sequences, not tokens)."""
-        return self.kind == "hacpo"
+        return self.objective.sequence_level
+
+    @property
+    def needs_reference_model(self) -> bool:
+        """The loss reads the frozen initial policy's log-probs (``ref_log_prob``; verl's ref worker)."""
+        return self.objective.kl_to_reference and self.hacpo_kl_coef > 0
 
 
 @dataclass
@@ -68,49 +107,76 @@ class SftRows:
 
 
 def receiver_loss(spec: LossSpec, log_prob: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  weights: torch.Tensor, is_peer: torch.Tensor, *, old_log_prob: torch.Tensor | None = None,
-                  denominator: float | None = None, sft: SftRows | None = None,
-                  source_mean_log_prob: torch.Tensor | None = None,
-                  capability_ratio: torch.Tensor | float = 1.0, minibatch_index: int = 0,
-                  ref_log_prob: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  weights: torch.Tensor, is_peer: torch.Tensor, **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to minimise on receiver rows ``[B, T]`` and its raw metrics (``graft_exp.algorithms``).
 
-    GRAFT and its token-level variants: eq. (10) with ``old_log_prob`` the receiver-old policy of own
-    and peer rows (``denominator``: the minibatch's present-token count when this is a micro-batch).
-    SGT adds ``sgt_lambda`` x NLL of ``sft``. HACPO: its sequence-level objective with
-    ``source_mean_log_prob`` (the generating policy's mean token log-prob), the per-row
-    ``capability_ratio``, the minibatch's position and, when ``hacpo_kl_coef > 0``, the KL to
-    ``ref_log_prob`` on own rows (``denominator``: the minibatch's sequence count).
+    ``columns`` are the spec's ``columns`` (``denominator`` too: the minibatch's present-token count, or
+    sequence count for HACPO, when this is a micro-batch). GRAFT and its token-level variants: eq. (10)
+    with ``old_log_prob`` the receiver-old policy of own and peer rows. SGT adds ``sgt_lambda`` x NLL of
+    ``sft``. HACPO: its sequence-level objective with ``source_mean_log_prob`` (the generating policy's
+    mean token log-prob), the per-row ``capability_ratio``, the minibatch's position and, when
+    ``hacpo_kl_coef > 0``, the KL to ``ref_log_prob`` on own rows.
     """
-    if spec.kind == "hacpo":
-        if advantages.dim() == 2:   # verl's [B, T] advantages column: one value per row
-            advantages = (advantages * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        # Rows of weight 0 (verl's padding to the data-parallel size) take no part in HACPO's objective.
-        present = weights > 0
-        log_prob, mask, advantages, is_peer = log_prob[present], mask[present], advantages[present], is_peer[present]
-        source_mean_log_prob = source_mean_log_prob[present]
-        if isinstance(capability_ratio, torch.Tensor):
-            capability_ratio = capability_ratio[present]
-        if ref_log_prob is not None:
-            ref_log_prob = ref_log_prob[present]
-        loss, raw = hacpo_policy_loss(
-            log_prob, mask, source_mean_log_prob, advantages, is_peer, capability_ratio, minibatch_index,
-            self_clip_low=spec.hacpo_self_clip_low, self_clip_high=spec.hacpo_self_clip_high,
-            cross_clip_delta=spec.hacpo_cross_clip_delta, cross_clip_step=spec.hacpo_cross_clip_step,
-            num_sequences=denominator)
-        if spec.hacpo_kl_coef > 0:
-            kl, kl_raw = hacpo_kl_loss(log_prob, ref_log_prob, mask, is_peer, spec.hacpo_kl_coef,
-                                       num_sequences=denominator)
-            loss, raw = loss + kl, {**raw, **kl_raw}
-        return loss, raw
-    extra = {"gamma": spec.luffy_gamma} if spec.kind == "luffy" else {}
-    loss_fn = POLICY_LOSSES["graft" if spec.kind == "sgt" else spec.kind]
-    loss, raw = loss_fn(log_prob, old_log_prob, advantages, weights, mask, spec.clip_low, spec.clip_high,
-                        is_peer=is_peer, num_tokens=denominator, clip_ratio_c=spec.clip_ratio_c, **extra)
-    if spec.kind == "sgt" and sft is not None:
+    return spec.objective.loss(spec, log_prob, mask, advantages, weights, is_peer, **columns)
+
+
+def _clipped(policy_loss: str, extra: Callable[[LossSpec], dict]):
+    """eq. (10)-style clipped objective of ``algorithms.POLICY_LOSSES[policy_loss]``."""
+    def loss(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None):
+        return POLICY_LOSSES[policy_loss](log_prob, old_log_prob, advantages, weights, mask, spec.clip_low,
+                                          spec.clip_high, is_peer=is_peer, num_tokens=denominator,
+                                          clip_ratio_c=spec.clip_ratio_c, **extra(spec))
+    return loss
+
+
+_graft = _clipped("graft", lambda spec: {})
+OBJECTIVES.register("graft", Objective(_graft, frozenset({"old_log_prob", "denominator"})))
+OBJECTIVES.register("sequence_ratio", Objective(_clipped("sequence_ratio", lambda spec: {}),
+                                                frozenset({"old_log_prob", "denominator"})))
+OBJECTIVES.register("luffy", Objective(_clipped("luffy", lambda spec: {"gamma": spec.luffy_gamma}),
+                                       frozenset({"old_log_prob", "denominator"})))
+
+
+def _sgt(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None, sft=None):
+    """GRAFT's clipped loss on own rows plus ``sgt_lambda`` x the NLL of the drawn correct peer responses."""
+    loss, raw = _graft(spec, log_prob, mask, advantages, weights, is_peer, old_log_prob=old_log_prob,
+                       denominator=denominator)
+    if sft is not None:
         nll, sft_raw = sgt_nll_loss(sft.log_prob, sft.mask, spec.sgt_lambda, num_tokens=sft.num_tokens)
         loss, raw = loss + nll, {**raw, **sft_raw}
     return loss, raw
+
+
+OBJECTIVES.register("sgt", Objective(_sgt, frozenset({"old_log_prob", "denominator", "sft"})))
+
+
+def _hacpo(spec, log_prob, mask, advantages, weights, is_peer, *, source_mean_log_prob, capability_ratio=1.0,
+           minibatch_index=0, ref_log_prob=None, denominator=None):
+    if advantages.dim() == 2:   # verl's [B, T] advantages column: one value per row
+        advantages = (advantages * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    # Rows of weight 0 (verl's padding to the data-parallel size) take no part in HACPO's objective.
+    present = weights > 0
+    log_prob, mask, advantages, is_peer = log_prob[present], mask[present], advantages[present], is_peer[present]
+    source_mean_log_prob = source_mean_log_prob[present]
+    if isinstance(capability_ratio, torch.Tensor):
+        capability_ratio = capability_ratio[present]
+    if ref_log_prob is not None:
+        ref_log_prob = ref_log_prob[present]
+    loss, raw = hacpo_policy_loss(
+        log_prob, mask, source_mean_log_prob, advantages, is_peer, capability_ratio, minibatch_index,
+        self_clip_low=spec.hacpo_self_clip_low, self_clip_high=spec.hacpo_self_clip_high,
+        cross_clip_delta=spec.hacpo_cross_clip_delta, cross_clip_step=spec.hacpo_cross_clip_step,
+        num_sequences=denominator)
+    if spec.hacpo_kl_coef > 0:
+        kl, kl_raw = hacpo_kl_loss(log_prob, ref_log_prob, mask, is_peer, spec.hacpo_kl_coef,
+                                   num_sequences=denominator)
+        loss, raw = loss + kl, {**raw, **kl_raw}
+    return loss, raw
+
+
+OBJECTIVES.register("hacpo", Objective(_hacpo, frozenset({"source_mean_log_prob", "capability_ratio", "minibatch_index",
+                                                          "ref_log_prob", "denominator"}),
+                                       sequence_level=True, kl_to_reference=True))
 
 
 def generation_mean_log_prob(rows, own, source) -> torch.Tensor:

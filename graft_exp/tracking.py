@@ -32,7 +32,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import scheduler
+from graft_exp import methods, scheduler
 
 # Config sections that say where or how a job runs, not what it computes.
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")
@@ -369,7 +369,8 @@ def job_description(cfg: DictConfig) -> str:
 
 def model_description(cfg: DictConfig, role: str) -> str:
     peer = cfg.pair["B" if role == "A" else "A"]
-    source = "its stored GRPO n=8 log" if cfg.method.source == "stored" else "online"
+    replayed = methods.resolve(cfg.method).source.replays_log_of
+    source = f"its stored {replayed} log" if replayed else "online"
     partner = f", peer {peer} ({source})" if cfg.method.co_train else ""
     return f"{cfg.pair[role]} (role {role}) trained with {cfg.method.name}{partner}, seed {cfg.seed}"
 
@@ -385,15 +386,20 @@ def stored_log_run(client: MlflowClient, cfg: DictConfig, peer: str):
     experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
     if not experiments:
         return None
-    query = (f"tags.`graft.method` = 'grpo_n8' and tags.`graft.model` = '{peer}' and "
+    query = (f"tags.`graft.method` = '{replayed_method(cfg)}' and tags.`graft.model` = '{peer}' and "
              f"tags.`graft.seed` = '{cfg.seed}' and attributes.status = 'FINISHED'")
     runs = client.search_runs(experiments, query, max_results=1, order_by=["attributes.start_time DESC"])
     return runs[0] if runs else None
 
 
+def replayed_method(cfg: DictConfig) -> str | None:
+    """The single-model method whose trajectory logs a job replays (``methods.Source``), or None."""
+    return methods.resolve(cfg.method).source.replays_log_of
+
+
 def stored_log_peers(cfg: DictConfig) -> list[str]:
     """The models whose GRPO n=8 logs a job replays: both of the pair (each role replays its peer)."""
-    return [cfg.pair.A, cfg.pair.B] if cfg.method.source == "stored" else []
+    return [cfg.pair.A, cfg.pair.B] if replayed_method(cfg) else []
 
 
 def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
@@ -403,7 +409,7 @@ def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
         raise StoredLogMissing(
             f"method={cfg.method.name} replays the trajectory log of the finished GRPO n=8 run with seed "
             f"{cfg.seed} of {' and '.join(missing)}, and {cfg.tracking.uri} has none: launch "
-            f"`python -m graft_exp pair={cfg.pair.name} method=grpo_n8 seed={cfg.seed}` first")
+            f"`python -m graft_exp pair={cfg.pair.name} method={replayed_method(cfg)} seed={cfg.seed}` first")
 
 
 def open_job(cfg: DictConfig) -> TrackedRun | None:

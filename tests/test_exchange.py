@@ -10,13 +10,14 @@ from omegaconf import OmegaConf
 
 from graft_exp.config import MethodConfig
 from graft_exp.exchange import PEER, SELF, Rollouts, assemble, peer_solved_frac, plan_step, select_prompts
+from graft_exp.methods import resolve
 
 N = 4
 
 
 def method(**overrides):
-    base = OmegaConf.structured(MethodConfig(name="test"))
-    return OmegaConf.merge(base, overrides)
+    """The components of GRAFT's config with ``overrides`` (what the exchange reads)."""
+    return resolve(OmegaConf.merge(OmegaConf.structured(MethodConfig(name="test")), overrides))
 
 
 def rollouts(model: str, k: list[int], logp_mean: float = -1.0) -> Rollouts:

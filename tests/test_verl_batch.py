@@ -21,6 +21,7 @@ from graft_exp.algorithms import grpo_advantages
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.exchange import PEER, Rollouts, assemble, plan_step, select_prompts
+from graft_exp.methods import resolve
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
           "We add the numbers: 12 + 30 = 42, so the answer is \\boxed{42}.", "Compute 7 * 6 and 99 - 3."]
@@ -77,10 +78,11 @@ ANSWERS = ["12 + 30 = 42, so \\boxed{42}", "7 * 6 = 42 \\boxed{42}", "99 - 3 = 9
 
 @pytest.fixture(scope="module")
 def methods():
-    """Every method's composed config (backend=verl, pair1), by name."""
+    """Every method's components (its composed config, backend=verl, pair1), by name."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        configs = {m: compose(config_name="config", overrides=["backend=verl", "pair=pair1", f"method={m}"]).method
+        configs = {m: resolve(compose(config_name="config",
+                                      overrides=["backend=verl", "pair=pair1", f"method={m}"]).method)
                    for m in METHODS}
     GlobalHydra.instance().clear()
     return configs
@@ -195,7 +197,7 @@ def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
     scorers = (vb.PeerScorer(rows["A"], n, char_tokenizer, certain_log_probs, _stop_ids(char_tokenizer)[0]),
                vb.PeerScorer(rows["B"], n, bpe_tokenizer, certain_log_probs, _stop_ids(bpe_tokenizer)[0]))
     gen = torch.Generator().manual_seed(0)
-    if method.source == "stored":    # B replays A's log: one direction, no balancing
+    if method.replays_stored_log:    # B replays A's log: one direction, no balancing
         a_to_b, _ = select_prompts(method, a.k, b.k, n, gen)
         plan = assemble(method, b, a, a_to_b, scorers[1], gen)
     else:
@@ -238,18 +240,17 @@ def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, 
         # one-way and unbalanced.
         assert a_to_b.tolist() == ([True, True, False, False, False] if name == "graft_stored" else
                                    [False, True, False, False, False])
-    if method.peer_loss == "nll":
+    if method.peer_loss.nll_only:
         assert plan.nll and all(int(source.rewards[q, i]) == 1 for q, i in plan.nll)   # a correct response
 
-    hacpo = method.peer_loss == "hacpo"
     groups = plan.minibatches(method, 2, torch.Generator().manual_seed(1))
-    minibatches = vb.minibatch_layout(batch, groups, dp_size=2, sequence_mean=hacpo)
+    minibatches = vb.minibatch_layout(batch, groups, dp_size=2, sequence_mean=method.peer_loss.sequence_level)
     real = [mb[torch.nonzero((mb.batch[vl.WEIGHT] > 0) | mb.batch[vl.SFT].bool()).flatten()] for mb in minibatches]
     assert sum(len(mb) for mb in real) == len(batch)                    # every row once, dp padding aside
     nonempty = [g for g in groups if any(r.group in g for r in plan.rows) or any(q in g for q, _ in plan.nll)]
     assert [set(mb.non_tensor_batch[vb.GROUP].tolist()) for mb in real] == [set(g) & set(cols[vb.GROUP].tolist())
                                                                           for g in nonempty]
-    if method.peer_position == "last" and method.peer_loss != "nll":   # SGT keeps GRPO's order
+    if method.peer_position == "last" and not method.peer_loss.nll_only:   # SGT keeps GRPO's order
         kinds = [bool(mb.batch[vl.IS_PEER].bool().any()) for mb in real]
         assert kinds == sorted(kinds)                                   # own-only minibatches first
 

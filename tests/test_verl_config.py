@@ -80,6 +80,7 @@ def test_hacpo_released_configuration(tmp_path):
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
     spec = LossSpec.from_method(cfg.method)
     assert spec.kind == "hacpo" and spec.hacpo_cross_clip_delta == pytest.approx(0.2)
+    assert spec.needs_reference_model and spec.sequence_level and "old_log_prob" not in spec.columns
     assert LossSpec.from_method(_compose("pair=pair1", "method=grpo_n8").method).clip_ratio_c == 3.0
 
 

@@ -36,7 +36,7 @@ from verl_standins import EngineWorkerGroup
 
 from graft_exp import driver, schema, tracking
 from graft_exp.backends.local_policy import top_p_filter
-from graft_exp.backends.verl.backend import VerlBackend, spec_needs_reference
+from graft_exp.backends.verl.backend import VerlBackend
 from graft_exp.backends.verl.config import data_files, model_path
 from graft_exp.backends.verl.loss import IS_PEER, SFT, WEIGHT
 from graft_exp.driver import derive_seed
@@ -203,7 +203,7 @@ def standin_backend(cfg, roles: list[str]) -> VerlBackend:
             # verl's sharded checkpoint without the export (the paper's models are all *ForCausalLM).
             config.actor_rollout_ref.actor.checkpoint.save_contents = ["model", "optimizer", "extra"]
         wg = CountingWorkerGroup(config.actor_rollout_ref.model.path, config.actor_rollout_ref, DP_SIZE,
-                                 with_ref=spec_needs_reference(backend.spec))
+                                 with_ref=backend.spec.needs_reference_model)
         model.attach(wg, wg.tokenizer, wg.model.generation_config)
         server = ModelServer(wg, model.stop_ids, int(config.actor_rollout_ref.rollout.response_length),
                              seed=derive_seed(cfg.seed, model.role, "server"))

@@ -70,7 +70,7 @@ class LocalBackend:
             model, tokenizer = load_member_model(cfg.pair[role], bool(cfg.backend.progress))
             self.policies[role] = LocalPolicy(cfg.pair[role], model, tokenizer, self.device, cfg.train,
                                               int(cfg.train.max_response_length))
-            if LossSpec.from_method(cfg.method).kind == "hacpo":   # its KL anchor: the initial policy
+            if LossSpec.from_method(cfg.method).needs_reference_model:   # its KL anchor: the initial policy
                 self.references[role] = copy.deepcopy(self.policies[role].model).eval().requires_grad_(False)
         self.best: dict[str, dict] = {}
         self.peer_cache: dict[str, dict] = {role: {} for role in roles}
@@ -144,14 +144,20 @@ class LocalBackend:
             columns = {"is_peer": torch.tensor([r.origin == PEER for r in rows], device=self.device),
                        "advantages": torch.tensor([r.advantage for r in rows], device=self.device),
                        "weights": torch.tensor([r.weight for r in rows], device=self.device)}
-            if spec.kind == "hacpo":
-                with torch.no_grad():
-                    ref_log_prob, _ = policy.token_log_probs(prompt_ids, response_ids, model=self.references[role])
-                columns.update(source_mean_log_prob=generation_mean_log_prob(rows, own.rollouts, peer).to(
-                    device=self.device, dtype=log_prob.dtype), capability_ratio=capability_ratio,
-                    minibatch_index=index, ref_log_prob=ref_log_prob)
-            else:
+            needs = spec.columns
+            if "old_log_prob" in needs:
                 columns["old_log_prob"] = policy.padded(old, log_prob.shape[1])
+            if "source_mean_log_prob" in needs:
+                columns["source_mean_log_prob"] = generation_mean_log_prob(rows, own.rollouts, peer).to(
+                    device=self.device, dtype=log_prob.dtype)
+            if "capability_ratio" in needs:
+                columns["capability_ratio"] = capability_ratio
+            if "minibatch_index" in needs:
+                columns["minibatch_index"] = index
+            if spec.needs_reference_model:
+                with torch.no_grad():
+                    columns["ref_log_prob"], _ = policy.token_log_probs(prompt_ids, response_ids,
+                                                                        model=self.references[role])
             if nll:
                 nll_prompts = self.prompt_ids(role, [own.problems[q] for q, _ in nll])
                 nll_ids = [policy.encode_response(peer.responses[q][i], bool(peer.finished[q, i])) for q, i in nll]

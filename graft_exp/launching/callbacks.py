@@ -89,14 +89,15 @@ def missing_stored_logs(jobs: list[PlannedJob], parallel: bool) -> list[str]:
             continue
         client = MlflowClient(job.cfg.tracking.uri)
         earlier = [] if parallel else jobs[:job.index]
+        replayed = tracking.replayed_method(job.cfg)
         missing = [peer for peer in peers
-                   if not any(e.cfg.method.name == "grpo_n8" and e.cfg.seed == job.cfg.seed
+                   if not any(e.cfg.method.name == replayed and e.cfg.seed == job.cfg.seed
                               and peer in (e.cfg.pair.A, e.cfg.pair.B) for e in earlier)
                    and tracking.stored_log_run(client, job.cfg, peer) is None]
         if missing:
             problems.append(f"job {job.label} replays the GRPO n=8 log of {' and '.join(missing)} with seed "
                             f"{job.cfg.seed}: none in {job.cfg.tracking.uri}; launch `python -m graft_exp "
-                            f"pair={job.cfg.pair.name} method=grpo_n8 seed={job.cfg.seed}` first")
+                            f"pair={job.cfg.pair.name} method={replayed} seed={job.cfg.seed}` first")
     return problems
 
 

@@ -24,11 +24,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from graft_exp import tracking
-from graft_exp.config import register_schemas
+from graft_exp import methods, tracking
+from graft_exp.config import ROLES, register_schemas
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-ROLES = ("A", "B")
 
 # GPU-hours of the paper's complete 3-epoch (174-step) runs on 4 GPUs (Table "Score and training
 # cost on Pair 1", App. D). Single-model runs are charged per model; OctoThinker-3B, absent from
@@ -194,11 +193,11 @@ def estimate_gpu_hours(cfg: DictConfig, roles: tuple[str, ...] = ROLES) -> float
     if int(cfg.pair.gpus) == 0:
         return 0.0
     method, steps = cfg.method.name, cfg.train.max_steps or PAPER_STEPS
+    family = methods.declaration(method).cost_family
     if not cfg.method.co_train:
-        name = method if method in GRPO_GPU_HOURS[PAPER_PAIR[0]] else f"grpo_n{cfg.method.n}"
+        name = family if family in GRPO_GPU_HOURS[PAPER_PAIR[0]] else f"grpo_n{cfg.method.n}"
         hours = sum(_grpo_hours(cfg.pair[role], name) for role in roles)
     else:
-        family = next((f for f in ("graft_stored", "hacpo", "sgt") if method.startswith(f)), "graft")
         pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in ROLES)
         hours = CO_TRAIN_GPU_HOURS[family] * pair_cost / sum(_grpo_hours(m, "grpo_n8") for m in PAPER_PAIR)
     return hours * steps / PAPER_STEPS * int(cfg.pair.gpus) / 4

@@ -157,10 +157,10 @@ class VerlBackend:
         model, scorer = self.models[role], self.scorers[role]
         peer_rows = scorer.score(batch.nll, peer) if batch.nll else scorer.scored   # SGT scores its NLL rows only
         rows = vb.receiver_batch(own.data, self.n, peer_rows, batch)
-        if spec.kind == "hacpo":
+        if "source_mean_log_prob" in spec.columns:
             vb.hacpo_columns(rows, own.rollouts, peer, capability_ratio)
-            if spec.hacpo_kl_coef > 0:
-                rows.batch["ref_log_prob"] = model.log_probs(rows, reference=True)
+        if spec.needs_reference_model:
+            rows.batch["ref_log_prob"] = model.log_probs(rows, reference=True)
         raw = model.update_minibatches(vb.minibatch_layout(rows, minibatches, dp_size=model.dp_size,
                                                            sequence_mean=spec.sequence_level))
         losses = raw.get("actor/pg_loss", [])
@@ -212,11 +212,6 @@ def create(cfg: DictConfig, roles: list[str]) -> VerlBackend:
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
                     init_kwargs=ray_init_kwargs(backend.models[roles[0]].config))
-    with_ref = spec_needs_reference(backend.spec)
+    with_ref = backend.spec.needs_reference_model
     start_models(list(backend.models.values()), with_ref=with_ref)
     return backend
-
-
-def spec_needs_reference(spec: LossSpec) -> bool:
-    """HACPO's KL term needs the frozen initial policy (verl's ref worker)."""
-    return spec.kind == "hacpo" and spec.hacpo_kl_coef > 0

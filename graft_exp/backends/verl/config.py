@@ -21,6 +21,7 @@ import verl
 from omegaconf import DictConfig, OmegaConf
 
 from graft_exp.config import minibatch_prompts
+from graft_exp.methods import resolve
 
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
@@ -87,7 +88,7 @@ def optimizer_updates_per_step(cfg: DictConfig) -> int:
     HACPO: its own and its peer's groups, 2 x 128 / 64 = 4). A step whose gate removed a whole minibatch
     takes one fewer. The runtime calls ``update_actor`` once per optimizer step and verl's LR scheduler
     steps once per call, so these are also the scheduler's steps."""
-    groups = int(cfg.train.batch_prompts) * (2 if cfg.method.peer_loss == "hacpo" else 1)
+    groups = int(cfg.train.batch_prompts) * resolve(cfg.method).peer_loss.groups_per_prompt
     return int(cfg.train.ppo_epochs) * math.ceil(groups / minibatch_prompts(cfg))
 
 
@@ -138,11 +139,11 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
     train, evaluation, method, backend = cfg.train, cfg.eval, cfg.method, cfg.backend
     place = placement(cfg)
     train_file, val_files = data_files(cfg)
-    hacpo = method.peer_loss == "hacpo"
+    peer_loss = resolve(method).peer_loss
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
     optimizer = {"adamw": "AdamW"}[str(train.optimizer).lower()]
-    kl_coef = float(method.hacpo.kl_coef) if hacpo else float(train.kl_coef)
-    if method.co_train and not hacpo and (float(train.kl_coef) or float(train.entropy_coef)):
+    kl_coef = float(method.hacpo.kl_coef) if peer_loss.kl_to_initial else float(train.kl_coef)
+    if method.co_train and not peer_loss.kl_to_initial and (float(train.kl_coef) or float(train.entropy_coef)):
         raise ValueError("train.kl_coef / train.entropy_coef > 0 are verl's GRPO terms; the exchange methods' loss "
                          "(graft_exp.backends.verl.loss) has no KL or entropy term (the paper uses none)")
 
@@ -182,8 +183,8 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
                 "use_dynamic_bsz": True,
                 "ppo_max_token_len_per_gpu": int(backend.max_token_len_per_gpu),
                 "clip_ratio": float(method.clip_low),
-                "clip_ratio_low": float(method.hacpo.self_clip_low if hacpo else method.clip_low),
-                "clip_ratio_high": float(method.hacpo.self_clip_high if hacpo else method.clip_high),
+                "clip_ratio_low": float(method.hacpo.self_clip_low if peer_loss.own_clip else method.clip_low),
+                "clip_ratio_high": float(method.hacpo.self_clip_high if peer_loss.own_clip else method.clip_high),
                 "clip_ratio_c": float(method.clip_ratio_c),
                 "loss_agg_mode": "token-mean",
                 "entropy_coeff": float(train.entropy_coef),

@@ -72,18 +72,21 @@ def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_
                            DENOMINATOR, SFT, SFT_DENOMINATOR, SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO,
                            MINIBATCH_INDEX])
     mask = cols["response_mask"].bool()
-    extra = {}
-    if spec.kind == "sgt" and SFT in cols.keys():  # noqa: SIM118 (TensorDict keys)
+    needs, extra = spec.columns, {}
+    if "sft" in needs and SFT in cols.keys():  # noqa: SIM118 (TensorDict keys)
         rows = cols[SFT].bool()
         if bool(rows.any()):
             extra["sft"] = SftRows(log_prob[rows], mask[rows], _first(cols[SFT_DENOMINATOR][rows]))
-    if spec.kind == "hacpo":
-        extra.update(source_mean_log_prob=cols[SOURCE_MEAN_LOG_PROB].float(),
-                     capability_ratio=cols[CAPABILITY_RATIO].float(),
-                     minibatch_index=int(_first(cols[MINIBATCH_INDEX])),
-                     ref_log_prob=cols["ref_log_prob"] if spec.hacpo_kl_coef > 0 else None)
-    else:
+    if "old_log_prob" in needs:
         extra["old_log_prob"] = cols["old_log_probs"]
+    if "source_mean_log_prob" in needs:
+        extra["source_mean_log_prob"] = cols[SOURCE_MEAN_LOG_PROB].float()
+    if "capability_ratio" in needs:
+        extra["capability_ratio"] = cols[CAPABILITY_RATIO].float()
+    if "minibatch_index" in needs:
+        extra["minibatch_index"] = int(_first(cols[MINIBATCH_INDEX]))
+    if spec.needs_reference_model:
+        extra["ref_log_prob"] = cols["ref_log_prob"]
     loss, raw = receiver_loss(spec, log_prob, mask, cols["advantages"], cols[WEIGHT].float(), cols[IS_PEER].bool(),
                               denominator=_first(cols[DENOMINATOR]), **extra)
     loss = loss * dp_size

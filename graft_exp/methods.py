@@ -1,0 +1,309 @@
+"""The method registry: every training method, and the components a method is built from.
+
+A method is a ``conf/method/<name>.yaml`` file (its components and settings over the typed schema,
+``config.MethodConfig``) plus one ``declare`` line below (its display name and cost family). Its
+components are looked up here by name, and the code that runs a method asks them questions instead
+of comparing names: the exchange asks the selection rule which prompts transfer and the admission
+rule which responses stay, the driver asks the peer loss whether it tracks capabilities, the
+backends ask ``LossSpec`` (built from the peer loss) which batch columns the loss needs and whether
+it needs a reference model. An unknown name raises ``UnknownName`` with the valid ones.
+
+Adding a variant is a component here (if it needs a new rule; the rule's math goes to
+``graft_exp.algorithms``), its YAML and its ``declare`` line; see README "Adding a method".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the rules import torch when they run: config, tracking and launching stay torch-free
+    import torch
+
+
+class UnknownName(ValueError):
+    """A method or component name the registry does not hold; the message lists the valid ones."""
+
+
+class Registry(dict):
+    """Components of one kind by name (``register`` adds one; ``get`` raises with the valid names)."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key      # the config key that names a component of this kind, e.g. method.selection
+
+    def register(self, name: str, component=None):
+        """``REG.register(name, component)``, or ``@REG.register(name)`` on a function."""
+        def add(component):
+            if name in self:
+                raise ValueError(f"{self.key}: {name!r} is registered twice")
+            self[name] = component
+            return component
+        return add if component is None else add(component)
+
+    def get(self, name: str):
+        if name not in self:
+            raise UnknownName(f"{self.key}={name!r} is not one of {', '.join(self)}")
+        return self[name]
+
+
+# ------------------------------------------------------------------------------------ components
+#: ``rule(k_a, k_b, n, generator) -> (a_to_b, b_to_a)`` bool [P]: the prompts on which each receiver
+#: gets the source's group (k = successes per prompt).
+SelectionRule = Callable[["torch.Tensor", "torch.Tensor", int, "torch.Generator"], tuple["torch.Tensor", "torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which prompts transfer (paper eq. 3 and its variants)."""
+
+    rule: SelectionRule
+    transfers: bool = True          # False: nothing transfers (single-model methods)
+    every_prompt: bool = False      # every prompt transfers (HACPO): no prompt is singled out
+    one_direction_ok: bool = True   # False: the rule balances both directions, so stored replay cannot use it
+
+
+SELECTIONS = Registry("method.selection")
+
+
+def _nothing(k_a, k_b, n, generator):
+    import torch
+    nothing = torch.zeros_like(k_a, dtype=torch.bool)
+    return nothing, nothing.clone()
+
+
+def _every(k_a, k_b, n, generator):
+    import torch
+    every = torch.ones_like(k_a, dtype=torch.bool)
+    return every, every.clone()
+
+
+def _balanced(k_a, k_b, n, generator):
+    from graft_exp.algorithms import balanced_exchange
+    return balanced_exchange(k_a, k_b, n)
+
+
+def _complementary(k_a, k_b, n, generator):
+    from graft_exp.algorithms import complementary_candidates
+    return complementary_candidates(k_a, k_b, n), complementary_candidates(k_b, k_a, n)
+
+
+def _rescue(k_a, k_b, n, generator):
+    from graft_exp.algorithms import sgt_rescue_prompts
+    return sgt_rescue_prompts(k_a, k_b, n)
+
+
+def _random_prompts(k_a, k_b, n, generator):
+    from graft_exp.algorithms import count_matched_random_exchange
+    return count_matched_random_exchange(*_balanced(k_a, k_b, n, generator), generator)
+
+
+SELECTIONS.register("none", Selection(_nothing, transfers=False))
+#: eq. (3) + SelectWithTies to m = min(|C_AB|, |C_BA|) (GRAFT, sgt_which, hacpo_which)
+SELECTIONS.register("balanced", Selection(_balanced, one_direction_ok=False))
+#: eq. (3) in each direction, unbalanced (stored replay: one direction anyway)
+SELECTIONS.register("complementary", Selection(_complementary))
+#: receiver k = 0 and source k >= 1 (SGT; graft_no_balance)
+SELECTIONS.register("rescue", Selection(_rescue))
+#: as many prompts as ``balanced`` takes, drawn uniformly (App. G)
+SELECTIONS.register("random_prompts", Selection(_random_prompts, one_direction_ok=False))
+#: every prompt (HACPO)
+SELECTIONS.register("all", Selection(_every, every_prompt=True))
+
+
+#: ``admit(score [S, n], delta, generator) -> w [S, n]``: weights of transferred responses (0 = removed).
+ADMISSIONS = Registry("method.admission")
+
+
+@ADMISSIONS.register("gate")
+def _gated(score, delta, generator):
+    """eq. (9): w = 1[s > delta] min(s, 1)."""
+    from graft_exp.algorithms import compatibility_weight
+    return compatibility_weight(score, delta)
+
+
+@ADMISSIONS.register("random")
+def _random_admission(score, delta, generator):
+    """Count-matched random admission (App. G)."""
+    from graft_exp.algorithms import random_admission_weights
+    return random_admission_weights(score, delta, generator)
+
+
+def ungated(score, delta, generator):
+    """Not a config value: what ``method.gate=false`` and peer losses without a gate (LUFFY, HACPO) use."""
+    from graft_exp.algorithms import ungated_weight
+    return ungated_weight(score, delta)
+
+
+#: ``keep(w [S, n], rewards [S, n]) -> w``: which transferred responses may carry weight.
+PEER_RESPONSES = Registry("method.peer_responses")
+PEER_RESPONSES.register("all", lambda weights, rewards: weights)
+
+
+@PEER_RESPONSES.register("success")
+def _success_only(weights, rewards):
+    from graft_exp.algorithms import success_only_weights
+    return success_only_weights(weights, rewards)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Whose advantages a transferred group carries."""
+
+    pooled_with_receiver: bool   # recomputed over the receiver's and the source's group together (both stay)
+
+
+ADVANTAGES = Registry("method.advantages")
+ADVANTAGES.register("source", Advantages(pooled_with_receiver=False))   # the source's (eq. 1 on its group)
+ADVANTAGES.register("pooled", Advantages(pooled_with_receiver=True))    # App. G
+
+#: The receiver loss of own and peer rows with this importance ratio (``objective.OBJECTIVES``).
+RATIOS = Registry("method.ratio")
+RATIOS.register("token", "graft")             # eq. (7)
+RATIOS.register("sequence", "sequence_ratio")  # App. G ablation
+
+PEER_POSITIONS = Registry("method.peer_position")   # ``algorithms.MINIBATCH_ORDERINGS``' names
+for _name in ("last", "first", "uniform"):
+    PEER_POSITIONS.register(_name, _name)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the peer's rollouts come from."""
+
+    replays_log_of: str | None = None   # a single-model method whose logged rollouts are replayed
+
+
+SOURCES = Registry("method.source")
+SOURCES.register("online", Source())
+SOURCES.register("stored", Source(replays_log_of="grpo_n8"))   # App. B "Saved peer logs"
+
+
+@dataclass(frozen=True)
+class PeerLoss:
+    """How a receiver learns from peer responses, and what that needs from the rest of the code."""
+
+    objective: str | None = None    # ``objective.OBJECTIVES`` key; None: method.ratio's (GRAFT's loss)
+    transfers: bool = True          # False: no peer responses are learned from (single-model GRPO)
+    gated: bool = True              # the method's admission applies (False: every response, w = min(s, 1))
+    nll_only: bool = False          # peer responses enter only an NLL term on one drawn correct response
+    pools_every_prompt: bool = False     # own and peer groups both stay on every prompt
+    capability_advantages: bool = False  # advantages from the models' capability tracker (HACPO)
+    groups_per_prompt: int = 1      # groups a prompt's rows form in the receiver batch (own + peer kept apart: 2)
+    sequence_level: bool = False    # averages and clip counts over sequences, not tokens
+    own_minibatch: bool = False     # minibatch size from the method's own settings (method.hacpo.minibatch_prompts)
+    kl_to_initial: bool = False     # a KL term to the initial policy (method.hacpo.kl_coef) on own rows
+    own_clip: bool = False          # self-ratio clip from the method's own settings (method.hacpo.self_clip_*)
+
+
+PEER_LOSSES = Registry("method.peer_loss")
+PEER_LOSSES.register("none", PeerLoss(transfers=False))
+PEER_LOSSES.register("graft", PeerLoss())                                              # eq. (10)
+PEER_LOSSES.register("luffy", PeerLoss(objective="luffy", gated=False))               # App. B
+PEER_LOSSES.register("nll", PeerLoss(objective="sgt", nll_only=True))                 # SGT, App. B
+PEER_LOSSES.register("hacpo", PeerLoss(objective="hacpo", gated=False, pools_every_prompt=True,
+                                       capability_advantages=True, groups_per_prompt=2, sequence_level=True,
+                                       own_minibatch=True, kl_to_initial=True, own_clip=True))   # App. B
+
+
+# ------------------------------------------------------------------------------------ methods
+@dataclass(frozen=True)
+class Declaration:
+    """What the registry says about a method beyond its YAML: how tables name it and what it costs."""
+
+    name: str               # the conf/method file name
+    display: str            # the paper's name for it in tables and figures
+    cost_family: str        # key of launching.jobs' measured GPU-hours tables
+
+
+METHODS: dict[str, Declaration] = {}
+
+
+def declare(name: str, display: str, cost_family: str) -> None:
+    if name in METHODS:
+        raise ValueError(f"method {name!r} is declared twice")
+    METHODS[name] = Declaration(name, display, cost_family)
+
+
+declare("grpo_n8", "GRPO (n=8)", "grpo_n8")
+declare("grpo_n16", "GRPO (n=16)", "grpo_n16")
+declare("grpo_n32", "GRPO (n=32)", "grpo_n32")
+declare("grpo_ds", "GRPO (n=8) + Dynamic Sampling", "grpo_ds")
+declare("hacpo", "HACPO", "hacpo")
+declare("sgt", "SGT", "sgt")
+declare("graft", "GRAFT", "graft")
+declare("graft_stored", "GRAFT w/ stored traj.", "graft_stored")
+declare("graft_no_gate", "w/o compatibility gate", "graft")
+declare("graft_no_floor", "δ=0 (no floor)", "graft")
+declare("graft_no_balance", "w/o balanced exchange", "graft")
+declare("graft_seq_ratio", "w/o token-level ratio", "graft")
+declare("graft_random_prompts", "random prompts", "graft")
+declare("graft_random_admission", "random admission", "graft")
+declare("graft_peer_first", "peer minibatches first", "graft")
+declare("graft_peer_uniform", "peer minibatches uniform", "graft")
+declare("graft_pooled", "pooled with receiver group", "graft")
+declare("graft_success_only", "success-only", "graft")
+declare("graft_success_only_no_floor", "+ w/o floor", "graft")
+declare("hacpo_which", "HACPO + GRAFT which", "hacpo")
+declare("sgt_which", "SGT + GRAFT which", "sgt")
+declare("graft_luffy", "GRAFT + LUFFY update", "graft")
+
+
+def declaration(name: str) -> Declaration:
+    """The declaration of method ``name`` (UnknownName lists the declared methods)."""
+    if name not in METHODS:
+        raise UnknownName(f"method={name!r} is not declared in graft_exp/methods.py; declared: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method config's components, looked up once (``resolve``): what the driver and exchange ask."""
+
+    config: object                  # cfg.method
+    selection: Selection
+    admission: Callable
+    peer_responses: Callable
+    advantages: Advantages
+    objective: str                  # ``objective.OBJECTIVES`` key of the receiver loss
+    peer_position: str
+    source: Source
+    peer_loss: PeerLoss
+
+    @property
+    def co_train(self) -> bool:
+        return bool(self.config.co_train)
+
+    @property
+    def replays_stored_log(self) -> bool:
+        return self.source.replays_log_of is not None
+
+    @property
+    def needs_reference_model(self) -> bool:
+        """The loss has a KL term to the frozen initial policy (HACPO with kl_coef > 0)."""
+        return self.peer_loss.kl_to_initial and float(self.config.hacpo.kl_coef) > 0
+
+    def minibatch_prompts(self, train) -> int:
+        """Prompt groups per optimizer minibatch: Table 3's ``train.minibatch_prompts`` (32 of 128), or the
+        method's own (HACPO's released 64)."""
+        if self.peer_loss.own_minibatch:
+            return int(self.config.hacpo.minibatch_prompts)
+        return int(train.minibatch_prompts)
+
+    def weights(self, score: torch.Tensor, rewards: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """w(o|q) of the transferred responses ([S, n]): eq. (9), or the variant's rule. 0 = removed."""
+        gated = self.peer_loss.gated and bool(self.config.gate)
+        admit = self.admission if gated else ungated
+        return self.peer_responses(admit(score, float(self.config.delta), generator), rewards)
+
+
+def resolve(method) -> Method:
+    """The components of a method config (``cfg.method``); UnknownName names the bad key and the valid values."""
+    peer_loss, ratio_objective = PEER_LOSSES.get(method.peer_loss), RATIOS.get(method.ratio)
+    return Method(config=method, selection=SELECTIONS.get(method.selection),
+                  admission=ADMISSIONS.get(method.admission), peer_responses=PEER_RESPONSES.get(method.peer_responses),
+                  advantages=ADVANTAGES.get(method.advantages),
+                  objective=peer_loss.objective or ratio_objective,
+                  peer_position=PEER_POSITIONS.get(method.peer_position), source=SOURCES.get(method.source),
+                  peer_loss=peer_loss)

@@ -1,0 +1,122 @@
+"""The method registry (graft_exp/methods.py): every declared method resolves to components, components
+answer what the driver, the exchange and the backends ask, and unknown names fail listing the valid ones."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from graft_exp import methods
+from graft_exp.algorithms import (
+    HACPO_CROSS_CLIP_DELTA,
+    HACPO_CROSS_CLIP_STEP,
+    HACPO_KL_COEF,
+    HACPO_MINIBATCH_PROMPTS,
+    HACPO_SELF_CLIP_HIGH,
+    HACPO_SELF_CLIP_LOW,
+)
+from graft_exp.config import ConfigError, HacpoConfig, MethodConfig, validate
+from graft_exp.objective import OBJECTIVES, LossSpec
+
+
+def method_config(**overrides):
+    return OmegaConf.merge(OmegaConf.structured(MethodConfig(name="test")), overrides)
+
+
+@pytest.mark.parametrize("name", sorted(methods.METHODS))
+def test_every_declared_method_resolves_and_its_loss_is_registered(compose_cfg, name):
+    cfg = compose_cfg(f"method={name}")
+    spec = methods.resolve(cfg.method)
+    assert spec.objective in OBJECTIVES
+    assert spec.co_train == (spec.selection.transfers or spec.peer_loss.transfers)
+    assert methods.declaration(name).display
+
+
+@pytest.mark.parametrize(("key", "registry"), [("selection", methods.SELECTIONS), ("peer_loss", methods.PEER_LOSSES),
+                                               ("admission", methods.ADMISSIONS), ("advantages", methods.ADVANTAGES),
+                                               ("ratio", methods.RATIOS), ("peer_position", methods.PEER_POSITIONS),
+                                               ("peer_responses", methods.PEER_RESPONSES), ("source", methods.SOURCES)])
+def test_an_unknown_component_fails_with_the_valid_names(compose_cfg, tmp_path, key, registry):
+    with pytest.raises(methods.UnknownName) as err:
+        methods.resolve(method_config(**{key: "balancd"}))
+    assert f"method.{key}='balancd'" in str(err.value) and all(name in str(err.value) for name in registry)
+    cfg = compose_cfg(f"tracking.uri=sqlite:///{tmp_path}/m.db", f"method.{key}=balancd")
+    with pytest.raises(ConfigError, match=f"method.{key}='balancd' is not one of {', '.join(registry)}"):
+        validate(cfg)
+
+
+def test_an_undeclared_method_name_fails_with_the_declared_ones(compose_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=r"method='graft_typo' is not declared.*graft_no_gate"):
+        validate(compose_cfg(f"tracking.uri=sqlite:///{tmp_path}/m.db", "method.name=graft_typo"))
+    with pytest.raises(ValueError, match="registered twice"):
+        methods.SELECTIONS.register("balanced", methods.SELECTIONS["balanced"])
+
+
+def test_components_answer_what_the_code_asks(compose_cfg):
+    hacpo = methods.resolve(compose_cfg("method=hacpo").method)
+    assert hacpo.needs_reference_model and hacpo.peer_loss.groups_per_prompt == 2
+    assert hacpo.peer_loss.pools_every_prompt and hacpo.selection.every_prompt
+    assert hacpo.minibatch_prompts(compose_cfg().train) == 64
+    no_kl = methods.resolve(compose_cfg("method=hacpo", "method.hacpo.kl_coef=0").method)
+    assert not no_kl.needs_reference_model
+    assert not LossSpec.from_method(compose_cfg("method=hacpo", "method.hacpo.kl_coef=0").method).needs_reference_model
+    graft = methods.resolve(compose_cfg("method=graft").method)
+    train = compose_cfg().train
+    assert not graft.needs_reference_model and graft.minibatch_prompts(train) == train.minibatch_prompts
+    assert not graft.selection.one_direction_ok and not graft.replays_stored_log
+    stored = methods.resolve(compose_cfg("method=graft_stored").method)
+    assert stored.replays_stored_log and stored.source.replays_log_of in methods.METHODS
+    sgt = LossSpec.from_method(compose_cfg("method=sgt").method)
+    assert "sft" in sgt.columns and not sgt.sequence_level
+    assert LossSpec.from_method(compose_cfg("method=graft_seq_ratio").method).kind == "sequence_ratio"
+    assert LossSpec.from_method(compose_cfg("method=grpo_n8").method).kind == "graft"
+
+
+def test_hacpo_defaults_are_the_released_ones_everywhere():
+    config, spec = HacpoConfig(), LossSpec(kind="hacpo")
+    assert (config.self_clip_low, config.self_clip_high, config.peer_clip_step, config.kl_coef,
+            config.minibatch_prompts) == (HACPO_SELF_CLIP_LOW, HACPO_SELF_CLIP_HIGH, HACPO_CROSS_CLIP_STEP,
+                                          HACPO_KL_COEF, HACPO_MINIBATCH_PROMPTS)
+    assert config.peer_clip_init == pytest.approx(1 - HACPO_CROSS_CLIP_DELTA)
+    assert (spec.hacpo_self_clip_low, spec.hacpo_kl_coef) == (HACPO_SELF_CLIP_LOW, HACPO_KL_COEF)
+
+
+def test_cost_families_are_in_the_cost_tables():
+    from graft_exp.launching.jobs import CO_TRAIN_GPU_HOURS, GRPO_GPU_HOURS, PAPER_PAIR
+    known = set(CO_TRAIN_GPU_HOURS) | set(GRPO_GPU_HOURS[PAPER_PAIR[0]])
+    assert {d.cost_family for d in methods.METHODS.values()} <= known
+
+
+#: Attributes that hold a method's or a component's name.
+NAME_FIELDS = {"name", "source", "selection", "peer_loss", "admission", "ratio", "peer_position", "advantages",
+               "peer_responses", "kind"}
+
+
+def name_comparisons(path: Path) -> list[str]:
+    """Method routing by name: ``x.<component> == "literal"`` (or !=, in, not in a literal tuple; ``name`` only
+    of a method), ``method.startswith(...)``, and a method's name compared with anything."""
+    names = set(methods.METHODS)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literals = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+            literals += [e.value for s in sides if isinstance(s, ast.Tuple) for e in s.elts
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            fields = [s for s in sides if isinstance(s, ast.Attribute) and s.attr in NAME_FIELDS
+                      and (s.attr != "name" or ast.unparse(s.value).split(".")[-1] == "method")]
+            if (fields and literals) or set(literals) & names:
+                found.append(f"{path}:{node.lineno}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith"
+              and isinstance(node.func.value, ast.Name) and node.func.value.id == "method"):
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_method_routing_by_name_in_the_driver_exchange_or_backends():
+    root = Path(methods.__file__).parent
+    files = [root / "driver.py", root / "exchange.py", root / "objective.py", *sorted((root / "backends").rglob("*.py"))]
+    assert not [hit for path in files for hit in name_comparisons(path)]
