@@ -1,4 +1,4 @@
-"""Write MLflow stores that follow DESIGN.md's schema exactly, for the analysis tests and the scale benchmark.
+"""Write MLflow stores that follow docs/design.md's schema exactly, for the analysis tests and the scale benchmark.
 
 A :class:`JobSpec` is one Hydra job (the parent run) and its :class:`ModelSpec` children; :func:`write_jobs`
 logs them with ``MlflowClient.log_batch``. :func:`with_costs` derives the ``cost/gpu_hours`` histories of a job

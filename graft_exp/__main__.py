@@ -1,4 +1,5 @@
-"""``python -m graft_exp``: compose pair x method x seed, validate, track, train."""
+"""``python -m graft_exp``: compose pair x method x seed, validate, open the job's MLflow run, and hand it
+to the driver (``driver.fit``) with the configured backend."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from graft_exp import tracking
-from graft_exp.backends import get_trainer
+from graft_exp import driver, tracking
+from graft_exp.backends import backend_factory
 from graft_exp.config import ConfigError, register_schemas, validate
 
 log = logging.getLogger("graft_exp")
@@ -50,18 +51,10 @@ def main(cfg: DictConfig) -> None:
         return
     if job.resumed:
         log.info("resuming MLflow run %s (graft.run_key=%s)", job.run_id, tracking.run_key(cfg))
-    # A preempted or timed-out Slurm job leaves through SystemExit (submitit checkpoints, requeues
-    # and exits): the run stays RUNNING, and the requeued job resumes it by its run_key.
-    try:
-        get_trainer(cfg.backend.name)(cfg, job)
-    except KeyboardInterrupt:
-        job.finish("KILLED")
-        raise
-    except Exception:
-        log.exception("job failed: MLflow run %s marked FAILED (a re-launch resumes it)", job.run_id)
-        job.finish("FAILED")
-        raise
-    job.finish("FINISHED")
+    # The driver closes the job's runs (FINISHED, FAILED, KILLED). A preempted or timed-out Slurm job leaves
+    # through SystemExit (submitit checkpoints, requeues and exits): the runs stay RUNNING, and the requeued
+    # job resumes them by their run_key.
+    driver.fit(cfg, job, backend_factory(cfg.backend.name))
     if HydraConfig.get().mode == RunMode.RUN:   # a multirun prints it once, at its end
         log.info(tracking.compare_hint(cfg.tracking.uri, job.client.get_run(job.run_id).info.experiment_id))
 

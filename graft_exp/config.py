@@ -182,6 +182,11 @@ def register_schemas() -> None:
     store.store(group="backend", name="verl_schema", node=VerlBackendConfig)
 
 
+def total_steps(cfg: DictConfig, num_problems: int) -> int:
+    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split."""
+    return int(cfg.train.max_steps or cfg.train.total_epochs * num_problems // int(cfg.train.batch_prompts))
+
+
 def minibatch_prompts(cfg: DictConfig) -> int:
     """Prompt groups per optimizer minibatch: Table 3's 32 (of 128), HACPO's released 64."""
     return methods.resolve(cfg.method).minibatch_prompts(cfg.train)

@@ -1,11 +1,12 @@
 """The training loop, written once for every backend (paper Alg. 1, App. B/D).
 
 ``co_train_step`` is one training step of every method; ``fit`` runs a job around it: resume,
-steps, validation every ``eval.val_every`` steps, checkpoints, the best checkpoint, the final
-evaluation, GPU-hours and the MLflow lifecycle. A backend (``Backend`` below, implemented by
-``backends/local.py`` and ``backends/verl/``) only does what depends on the hardware: generate,
-score, update with the method's loss (``graft_exp.objective``), save and load. Method routing lives
-here and in ``graft_exp.exchange``.
+steps, validation every ``eval.val_every`` steps, checkpoints (in ``run_directory``), the best
+checkpoint, the final evaluation, GPU-hours and the MLflow lifecycle of the job and its model runs.
+A backend (``graft_exp.contract.Backend``, implemented by ``backends/local.py`` and ``backends/verl/``)
+only does what depends on the hardware: generate, score, update with the method's loss
+(``graft_exp.objective``), save and load. The method's components (``graft_exp.methods``) route the
+step here and in ``graft_exp.exchange``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -38,8 +38,9 @@ from graft_exp.algorithms import (
     hacpo_capability_ratio,
     hacpo_positive_rate,
 )
-from graft_exp.config import PEER_OF, ROLES
-from graft_exp.evaluation import AVG, BestCheckpoint, Generate, evaluate, final_evaluation, is_validation_step
+from graft_exp.config import PEER_OF, ROLES, total_steps
+from graft_exp.contract import Backend, BackendFactory, Sampled
+from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
 from graft_exp.exchange import (
     ReceiverBatch,
     Scorer,
@@ -62,81 +63,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be read; the message names the file and the way out."""
 
 
-# ---------------------------------------------------------------------------------------- backend
-@dataclass
-class Generation:
-    """What a backend's ``sample`` returns: n responses per prompt, prompt-major."""
-
-    responses: list[list[str]]                # [P][n] decoded strings
-    logp_sum: torch.Tensor                    # [P, n] float64 generation log-prob sums
-    num_tokens: torch.Tensor                  # [P, n] generated tokens
-    finished: torch.Tensor                    # [P, n] bool: ended with a stop token
-    token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
-    data: object                              # the backend's token-level data for its update
-
-
-@dataclass
-class Sampled:
-    """One model's rollouts of a step: as the exchange sees them, the problems, and the backend's own
-    token-level data (ids, behaviour log-probs; opaque here) that its update and log need."""
-
-    rollouts: Rollouts
-    problems: list
-    data: object
-    token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
-
-
-class Backend(Protocol):
-    """What the driver needs from a backend; one instance per job, holding the models of ``roles``."""
-
-    roles: list[str]
-    concurrent: bool        # the models sit on disjoint devices: their phases may run at the same time
-
-    def problems(self) -> list:
-        """The training problems (``.uid``, ``.prompt``, ``.answer``), in a fixed order."""
-
-    def benchmarks(self) -> dict[str, list]:
-        """Validation/test problems per benchmark key (``.prompt``, ``.answer``)."""
-
-    def devices(self, role: str) -> int:
-        """The devices (GPUs; a CPU counts as one) model ``role`` holds while it works."""
-
-    def sample(self, role: str, problems: list, n: int, seed: int, step: int) -> Generation:
-        """n responses per problem at the training temperature (``step``: the weights' version)."""
-
-    def gather(self, role: str, parts: list[tuple[object, list[int]]]) -> object:
-        """The backend data of the chosen groups of several draws, in order (DAPO refills)."""
-
-    def scorer(self, role: str, own: Sampled) -> Scorer:
-        """Receiver-old log-probs of re-tokenized peer responses (eq. 8), cached for ``update``."""
-
-    def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
-               peer: Rollouts | None, capability_ratio: float) -> dict[str, float]:
-        """One optimizer step per minibatch, in order, with ``spec``'s loss: the mean minibatch ``loss`` and
-        the summed counts of ``graft_exp.objective`` (``tokens_self``, ``clipped_tokens_peer``, ``seqs_*``, ...)."""
-
-    def generate(self, role: str, step: int) -> Generate:
-        """``graft_exp.evaluation``'s generate function for model ``role`` at its current weights."""
-
-    def keep_best(self, role: str, step: int) -> None:
-        """Remember the current weights of ``role`` as its best checkpoint."""
-
-    def restore_best(self, role: str) -> None:
-        """Load the best checkpoint of ``role`` for the final evaluation."""
-
-    def save(self, directory: Path, step: int) -> None:
-        """Every model's weights and optimiser (and best weights, if kept in memory) into ``directory``."""
-
-    def load(self, directory: Path) -> None:
-        """The state ``save`` wrote."""
-
-
 # ---------------------------------------------------------------------------------------- seeds, data
-def total_steps(cfg: DictConfig, num_problems: int) -> int:
-    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split."""
-    return int(cfg.train.max_steps or cfg.train.total_epochs * num_problems // int(cfg.train.batch_prompts))
-
-
 def derive_seed(*parts) -> int:
     """A 31-bit seed from the run seed and a purpose (step, role, ...): reproducible and independent
     of everything that happened before, so a resumed job draws exactly what an uninterrupted one does."""
@@ -203,7 +130,7 @@ class Timer:
 
 def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_train: bool,
                concurrent: bool) -> tuple[dict[str, float], float]:
-    """Device-seconds of one training step: (each model's, the job's). Paper App. D, DESIGN.md "GPU-hours".
+    """Device-seconds of one training step: (each model's, the job's). Paper App. D, docs/design.md "GPU-hours".
 
     Independent models pay their own busy time on their own devices; the job is their sum. A co-trained
     pair pays the step's wall time on every device it holds (both pools when they are disjoint, the one
@@ -222,11 +149,11 @@ def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_
 class Driver:
     """One job (pair x method x seed) on one backend."""
 
-    def __init__(self, cfg: DictConfig, job: tracking.TrackedRun, backend_factory):
+    def __init__(self, cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFactory):
         self.cfg, self.job, self.method = cfg, job, cfg.method
         self.components = methods.resolve(cfg.method)     # what the method's selection, admission, loss answer
         self.spec = LossSpec.from_method(cfg.method)
-        self.root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+        self.root = run_directory(cfg)
         if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
             shutil.rmtree(self.root, ignore_errors=True)
         stored = {}
@@ -240,7 +167,7 @@ class Driver:
         needed = [r for r in ROLES if runs[r] is not None or (self.method.co_train and any(runs.values()))]
         self.members = {role: Member(role, str(cfg.pair[role]), runs[role], stored_peer=stored.get(role))
                         for role in needed}
-        self.backend: Backend = backend_factory(cfg, needed) if needed else None
+        self.backend: Backend = backend_factory(cfg, needed, self.root) if needed else None
         self.job_device_seconds = 0.0
         self.start_step = 1
         if self.backend is not None:
@@ -560,17 +487,31 @@ class progress_bar:
         self.bar.update(self.task, advance=1, **rewards)
 
 
-def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory, *,
+def run_directory(cfg: DictConfig) -> Path:
+    """The job's directory: checkpoints, trajectory logs, staged artifacts and the backend's files
+    (``<checkpoint_root>/<run_key>``, so a requeued job finds them by its identity)."""
+    return Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+
+
+def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFactory, *,
         stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
-    """Train, evaluate and record one job; a failure or Ctrl-C closes its model runs FAILED / KILLED.
-    A preemption (SystemExit from submitit's signal handler) is not caught: those runs stay RUNNING, and
-    the requeued job resumes them."""
-    driver = Driver(cfg, job, backend_factory)
+    """Train, evaluate and record one job, and close its MLflow runs: the job run and its model runs
+    FINISHED, or FAILED / KILLED on a failure / Ctrl-C. A preemption (SystemExit from submitit's signal
+    handler) is not caught: the runs stay RUNNING, and the requeued job resumes them; so does
+    ``stop_at_step`` (see ``Driver.fit``). Returns each model's mean final test scores."""
+    driver = None
     try:
-        return driver.fit(stop_at_step=stop_at_step)
+        driver = Driver(cfg, job, backend_factory)
+        scores = driver.fit(stop_at_step=stop_at_step)
     except (Exception, KeyboardInterrupt) as err:
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
-        for member in driver.members.values():
+        for member in driver.members.values() if driver is not None else []:
             if member.run is not None and member.run.status == "RUNNING":
                 member.run.finish(status)
+        if status == "FAILED":
+            log.exception("job failed: MLflow run %s marked FAILED (a re-launch resumes it)", job.run_id)
+        job.finish(status)
         raise
+    if stop_at_step is None:
+        job.finish("FINISHED")
+    return scores

@@ -1,6 +1,6 @@
 """The binary verifiable reward of the paper (App. B): math-verify on the *final* boxed answer.
 
-What is verified (DESIGN.md "Rewards — traps measured here"):
+What is verified (docs/design.md "Rewards"):
 
 - The last complete ``\\boxed{...}`` of the response, braces balanced (``\\{``/``\\}`` are escaped
   characters, not braces). ``\\boxed {...}`` (a space before the brace, valid LaTeX) and ``\\fbox{...}``

@@ -1,4 +1,4 @@
-"""The MLflow schema (DESIGN.md "MLflow schema"): every tag and metric name training writes and
+"""The MLflow schema (docs/design.md "MLflow schema"): every tag and metric name training writes and
 analysis reads, with when it is written. The contract between ``graft_exp`` and ``analysis``; tests
 check that both backends write only these names and that ``analysis/`` reads only these names.
 

@@ -1,4 +1,4 @@
-"""MLflow records of DESIGN.md's schema: job runs, model runs, run identity and resumption.
+"""MLflow records of docs/design.md's schema: job runs, model runs, run identity and resumption.
 
 A job's identity is ``graft.run_key``, a hash of its resolved config without launcher, tracking
 and path settings. Opening a job finds the run with that key: FINISHED -> skipped, unfinished ->
@@ -6,7 +6,7 @@ the same run is resumed (a requeued or re-launched job never creates a second ru
 run. Model runs carry their own key, so a GRPO baseline of one (model, n, seed) is found and
 shared by every pair that contains that model.
 
-Besides DESIGN.md's ``graft.*`` tags, runs carry what the MLflow UI reads: experiments are tagged
+Besides docs/design.md's ``graft.*`` tags, runs carry what the MLflow UI reads: experiments are tagged
 as model-training experiments, runs have MLflow's source tags (git commit, entry point), short
 top-level params (method, pair, seed, delta, n, backend) next to the flattened config, a one-line
 description, and each model run its training and benchmark data as dataset inputs.

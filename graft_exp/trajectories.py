@@ -1,4 +1,4 @@
-"""The stored-trajectory log (DESIGN.md "Stored trajectories"): every response a model sampled, per
+"""The stored-trajectory log (docs/design.md "Stored trajectories"): every response a model sampled, per
 training step and prompt, with what a later receiver needs to replay it (``graft_stored``).
 
 One Parquet file per step, ``step_000012.parquet``, under a model run's ``trajectories/`` artifact

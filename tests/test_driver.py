@@ -1,5 +1,5 @@
 """The driver's bookkeeping that no backend can check by itself: GPU-hours by the paper's rules
-(App. D; DESIGN.md "GPU-hours") with known step timings, and the per-role timer."""
+(App. D; docs/design.md "GPU-hours") with known step timings, and the per-role timer."""
 
 from __future__ import annotations
 

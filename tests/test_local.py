@@ -1,5 +1,5 @@
 """The local backend trains the tiny pair for real: every method steps, GRAFT exchanges, the MLflow
-records follow DESIGN.md, runs are reproducible, a resumed job matches an uninterrupted one, and
+records follow docs/design.md, runs are reproducible, a resumed job matches an uninterrupted one, and
 stored-trajectory replay finds its source (or says which run to launch)."""
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
         store = tmp_path / name
         store.mkdir()
         cfg, job = make_job("train.max_steps=2", store=store)
-        local.train(cfg, job)
-        job.finish("FINISHED")
+        driver.fit(cfg, job, local.LocalBackend)
         results.append((job.client, job.run_id))
     client, job_id = results[0]
     job_metrics = histories(client, job_id)
@@ -112,17 +111,15 @@ def test_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
     whole_store, split_store = tmp_path / "whole", tmp_path / "split"
     whole_store.mkdir(), split_store.mkdir()
     cfg, job = make_job(*overrides, store=whole_store)
-    local.train(cfg, job)
-    job.finish("FINISHED")
+    driver.fit(cfg, job, local.LocalBackend)
     whole = {role: histories(job.client, r.info.run_id) for role, r in model_runs(job.client, job.run_id).items()}
 
     cfg, job = make_job(*overrides, store=split_store)
-    local.train(cfg, job, stop_at_step=2)              # preempted after step 2's checkpoint
+    driver.fit(cfg, job, local.LocalBackend, stop_at_step=2)   # preempted after step 2's checkpoint
     job.finish("KILLED")
     cfg, resumed = make_job(*overrides, store=split_store)
     assert resumed.resumed and resumed.run_id == job.run_id
-    local.train(cfg, resumed)
-    resumed.finish("FINISHED")
+    driver.fit(cfg, resumed, local.LocalBackend)
     split = {role: histories(resumed.client, r.info.run_id) for role, r in model_runs(resumed.client, resumed.run_id).items()}
     for role in ("A", "B"):
         whole[role].pop("cost/gpu_hours"), split[role].pop("cost/gpu_hours")
@@ -134,8 +131,7 @@ def test_stored_replay_needs_and_uses_the_peer_grpo_log(make_job, tmp_path):
     with pytest.raises(tracking.StoredLogMissing, match=r"launch `python -m graft_exp pair=tiny method=grpo_n8 seed=0`"):
         make_job("method=graft_stored", "train.max_steps=2")   # before any run is created
     cfg, job = make_job("method=grpo_n8", "train.max_steps=2")
-    local.train(cfg, job)
-    job.finish("FINISHED")
+    driver.fit(cfg, job, local.LocalBackend)
     cfg, job = make_job("method=graft_stored", "train.max_steps=2")
     trainer = driver.Driver(cfg, job, local.LocalBackend)
     source = trainer.members["B"].stored_peer        # B replays A's GRPO log
@@ -161,12 +157,13 @@ def test_bad_pairs_fail_clearly(compose_cfg, tmp_path):
 @pytest.mark.slow
 def test_corrupt_checkpoint_is_a_clear_error(make_job, tmp_path):
     cfg, job = make_job("train.max_steps=2", "train.save_every=1")
-    local.train(cfg, job, stop_at_step=1)
+    driver.fit(cfg, job, local.LocalBackend, stop_at_step=1)
     job.finish("KILLED")
     (tmp_path / "ckpt" / tracking.run_key(cfg) / "ckpt-1" / "state.pt").write_bytes(b"not a checkpoint")
     cfg, resumed = make_job("train.max_steps=2", "train.save_every=1")
     with pytest.raises(driver.CheckpointError, match=r"checkpoint .*ckpt-1 cannot be loaded.*rerun=true"):
-        local.train(cfg, resumed)
+        driver.fit(cfg, resumed, local.LocalBackend)
+    assert resumed.status == "FAILED"        # the driver closes the job run it could not train
 
 
 def test_prompt_stream_is_a_seeded_permutation_per_epoch():

@@ -19,7 +19,7 @@ from graft_exp.server import read_credentials
 from graft_exp.sweep import plan
 
 pytestmark = [pytest.mark.service, pytest.mark.slow]
-# Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
+# Metrics of docs/design.md's schema logged at every training step (others only when they apply).
 EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B",
               "exchange/B_to_A"}
 STEPS = 3

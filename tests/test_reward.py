@@ -1,5 +1,5 @@
 """The reward: math-verify on the final complete boxed answer, parsed as LaTeX on both sides, with the
-same result in the main thread, in threads and in the worker pool, and a real timeout (DESIGN.md
+same result in the main thread, in threads and in the worker pool, and a real timeout (docs/design.md
 "Rewards — traps measured here"). Real math-verify throughout; golds go through prepare.gold_answer.
 
 The cases of tests/data/reward_cases.yaml run (1) in the main thread, (2) in a ThreadPoolExecutor, each

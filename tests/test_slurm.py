@@ -23,7 +23,7 @@ from graft_exp.sweep import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.service, pytest.mark.slow]
-# Metrics of DESIGN.md's schema logged at every training step (others only when they apply).
+# Metrics of docs/design.md's schema logged at every training step (others only when they apply).
 EVERY_STEP = {"cost/gpu_hours", "train/reward_mean", "train/all_fail_frac", "exchange/A_to_B",
               "exchange/B_to_A"}
 # A few steps of the tiny pair, one validation, one final evaluation: each job takes seconds.

@@ -190,9 +190,9 @@ class CountingWorkerGroup(EngineWorkerGroup):
 backends: list[VerlBackend] = []   # every backend the factory built, in order (tests inspect them)
 
 
-def standin_backend(cfg, roles: list[str]) -> VerlBackend:
+def standin_backend(cfg, roles: list[str], run_dir) -> VerlBackend:
     """``backend.create`` without Ray: verl's datasets and ``VerlModel``s, each attached to the stand-ins."""
-    backend = VerlBackend(cfg, roles)
+    backend = VerlBackend(cfg, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     for model in backend.models.values():
@@ -260,7 +260,7 @@ def test_an_overlong_prompt_stops_the_job_before_training(compose_cfg, prepared,
     cfg = verl_cfg(compose_cfg, prepared, tmp_path, "method=graft", "train.max_prompt_length=64")
     train_file, val_files = data_files(cfg)
     with pytest.raises(ValueError, match=r"row 0 of .* is \d+ tokens for .*tiny-char-llama.*max_prompt_length=64"):
-        VerlBackend(cfg, ["A", "B"]).build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
+        VerlBackend(cfg, ["A", "B"], tmp_path / "run").build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
     cfg, job = make_job()
     assert driver.fit(cfg, job, standin_backend, stop_at_step=1) == {}
     job.finish("KILLED")
-    run_dir = tmp_path / "ckpt" / tracking.run_key(cfg)
+    run_dir = driver.run_directory(cfg)
     assert sorted(p.name for p in run_dir.glob("ckpt-*")) == ["ckpt-1"]
     for role in ("A", "B"):
         latest = run_dir / "ckpt-1" / role
@@ -292,7 +292,7 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
     cfg, resumed = make_job()
     assert resumed.resumed and resumed.run_id == job.run_id
     scores = driver.fit(cfg, resumed, standin_backend)
-    resumed.finish("FINISHED")
+    assert resumed.status == "FINISHED"     # the driver closes the job run
     assert set(scores) == {"A", "B"}
 
     first, second = backends

@@ -28,6 +28,7 @@ from graft_exp.backends.verl.config import (
 )
 from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.backends.verl.runtime import VerlModel, scoped_job_id, scoped_zmq_handle
+from graft_exp.exchange import SELF, ReceiverBatch, Row
 from graft_exp.objective import LossSpec
 from graft_exp.tiny.models import ASSETS
 
@@ -241,6 +242,18 @@ def test_every_rank_emits_every_metric_key(tmp_path):
         Metric.aggregate_dp([Metric("sum", 1.0), two])
 
 
+def grpo_update(model: VerlModel, own: DataProto, advantages: torch.Tensor) -> dict[str, list[float]]:
+    """Single-model GRPO the way the driver trains it: the own-rows receiver batch (weight 1, one group per
+    prompt), consecutive minibatches of ``ppo_mini_batch_size`` prompts (the last may be smaller)."""
+    prompts, n = advantages.shape
+    plan = ReceiverBatch([Row(q, SELF, q, i, float(advantages[q, i]), 1.0) for q in range(prompts) for i in range(n)],
+                         torch.zeros(prompts, dtype=torch.bool))
+    size = int(model.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+    groups = [list(range(start, min(start + size, prompts))) for start in range(0, prompts, size)]
+    return model.update_minibatches(vb.minibatch_layout(vb.receiver_batch(own, n, None, plan), groups,
+                                                        dp_size=model.dp_size))
+
+
 def test_lr_warmup_counts_optimizer_steps(tmp_path):
     """train.lr_warmup_steps=4 through verl's own scheduler builder: two training steps of two minibatches
     each are four update_actor calls, four scheduler steps, the warm-up's end (HF's schedule: the first
@@ -257,7 +270,7 @@ def test_lr_warmup_counts_optimizer_steps(tmp_path):
     for step in range(2):
         own = _rows(model.tokenizer, 8, seed=step)                     # 4 prompts x n = 2
         advantages = torch.tensor([[1.0, -1.0], [0.5, -0.5], [0.0, 0.0], [-1.0, 1.0]])
-        lrs += model.update_grpo(own, advantages)["lr"]
+        lrs += grpo_update(model, own, advantages)["lr"]
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert model.wg.calls == {"update_actor": 4}
 
@@ -268,7 +281,7 @@ def test_partial_dapo_batch_trains_at_any_dp(tmp_path, dp_size):
     rows, each padded to the dp size with weight 0; the token counts are the real rows'."""
     model = _model(tmp_path, "grpo_ds", dp_size, "method.n=2", "train.minibatch_prompts=2")
     own = _rows(model.tokenizer, 6, seed=3)
-    metrics = model.update_grpo(own, torch.tensor([[1.0, -1.0], [0.5, -0.5], [-1.0, 1.0]]))
+    metrics = grpo_update(model, own, torch.tensor([[1.0, -1.0], [0.5, -0.5], [-1.0, 1.0]]))
     assert sum(metrics["graft/tokens_self"]) == pytest.approx(float(own.batch["response_mask"].sum()))
     assert model.wg.calls == {"update_actor": 2}
 

@@ -1,18 +1,20 @@
-"""Training backends. Each exposes ``train(cfg, job)``: train every model of the job into the
-job's MLflow run (graft_exp.tracking), resuming from its own checkpoints when the run is resumed."""
+"""Training backends, the driver's adapters (``graft_exp.contract.Backend``): ``local`` trains the tiny
+models in this process, ``verl`` the paper's on GPU nodes. ``python -m graft_exp`` runs
+``driver.fit(cfg, job, backend_factory(cfg.backend.name))``."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 
-from omegaconf import DictConfig
+from graft_exp.contract import BackendFactory
 
-from graft_exp.tracking import TrackedRun
-
-BACKEND_MODULES = {"local": "graft_exp.backends.local", "verl": "graft_exp.backends.verl"}
+#: backend name -> (module, factory attribute); imported lazily: verl pulls Ray/vLLM, which a local run never needs.
+BACKENDS = {"local": ("graft_exp.backends.local", "LocalBackend"), "verl": ("graft_exp.backends.verl.backend", "create")}
 
 
-def get_trainer(name: str) -> Callable[[DictConfig, TrackedRun], None]:
-    """Import lazily: the verl backend pulls Ray/vLLM, which a local run never needs."""
-    return importlib.import_module(BACKEND_MODULES[name]).train
+def backend_factory(name: str) -> BackendFactory:
+    """The factory of backend ``name`` (``cfg.backend.name``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not one of {', '.join(BACKENDS)}")
+    module, attribute = BACKENDS[name]
+    return getattr(importlib.import_module(module), attribute)

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from graft_exp import driver, tracking
+from graft_exp import tracking
 from graft_exp.backends.local_policy import LocalPolicy
-from graft_exp.driver import Generation, Sampled
+from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import PEER, ReceiverBatch, Scorer
 from graft_exp.objective import COUNT_METRICS, LossSpec, SftRows, generation_mean_log_prob, receiver_loss
 from graft_exp.rollouts import Rollouts
@@ -51,7 +51,9 @@ class LocalBackend:
 
     concurrent = False   # one device: the models take turns
 
-    def __init__(self, cfg: DictConfig, roles: list[str]):
+    def __init__(self, cfg: DictConfig, roles: list[str], run_dir: Path | None = None):
+        # run_dir (the contract's) is unused: the local backend keeps its best weights in memory and in
+        # the driver's checkpoints.
         if cfg.pair.data != "tiny_arith":
             raise ValueError(f"backend=local runs the generated tiny task (pair=tiny); pair={cfg.pair.name} "
                              f"uses data {cfg.pair.data!r}: use backend=verl")
@@ -198,7 +200,3 @@ class LocalBackend:
             if state[role]["best"] is not None:
                 self.best[role] = state[role]["best"]
 
-
-def train(cfg: DictConfig, job: tracking.TrackedRun, *, stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
-    """Backend entry point (graft_exp.backends): train, evaluate and record one job."""
-    return driver.fit(cfg, job, LocalBackend, stop_at_step=stop_at_step)

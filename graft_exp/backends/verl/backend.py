@@ -22,12 +22,12 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from verl.utils.tokenizer import normalize_token_ids
 from verl.utils.tokenizer.chat_template import apply_chat_template
 
-from graft_exp import tracking
 from graft_exp.algorithms import sequence_log_prob_sums
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import verl_config
 from graft_exp.backends.verl.runtime import VerlModel, start_models
-from graft_exp.driver import Generation, Sampled, total_steps
+from graft_exp.config import total_steps
+from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import ReceiverBatch, Scorer
 from graft_exp.objective import COUNT_METRICS, LossSpec
 from graft_exp.rollouts import Rollouts
@@ -80,9 +80,9 @@ class VerlBackend:
 
     concurrent = True
 
-    def __init__(self, cfg: DictConfig, roles: list[str]):
+    def __init__(self, cfg: DictConfig, roles: list[str], run_dir: Path):
         self.cfg, self.roles = cfg, roles
-        self.dir = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+        self.dir = run_dir      # the driver's run directory: each model's verl checkpoints and best weights
         self.spec = LossSpec.from_method(cfg.method)
         self.n = int(cfg.method.n)
         self.models: dict[str, VerlModel] = {}
@@ -199,7 +199,7 @@ class VerlBackend:
             self.step = model.load(str(directory / role))
 
 
-def create(cfg: DictConfig, roles: list[str]) -> VerlBackend:
+def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
     """The backend of one GPU job: Ray (a private one on this node, or the allocation's), the datasets and
     every model's worker group, vLLM replicas and checkpoint engine on split resource pools."""
     from verl.utils import hf_tokenizer
@@ -207,7 +207,7 @@ def create(cfg: DictConfig, roles: list[str]) -> VerlBackend:
     from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
     from graft_exp.backends.verl.ray_slurm import start_local_ray
 
-    backend = VerlBackend(cfg, roles)
+    backend = VerlBackend(cfg, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,

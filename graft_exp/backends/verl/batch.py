@@ -210,29 +210,6 @@ def receiver_batch(own: DataProto, n: int, peer: DataProto | None, plan: Receive
     return DataProto.concat(parts)
 
 
-def grpo_batch(own: DataProto, n: int, advantages: torch.Tensor) -> DataProto:
-    """A model's own rollouts (prompt-major, ``n`` per prompt, with ``old_log_probs``) with GRPO
-    ``advantages`` [P, n] as a receiver batch without peer rows: weight 1, one group per prompt. Single-
-    model methods (and DAPO's partial batch after its last refill) train through the same loss and
-    ``minibatch_layout`` as the exchange methods, whose loss with unit weights and no peers is verl's
-    vanilla GRPO loss, so that rows padding a minibatch to the data-parallel size carry weight 0."""
-    prompts = len(own) // n
-    if prompts * n != len(own) or tuple(advantages.shape) != (prompts, n):
-        raise ValueError(f"{len(own)} rows are not {tuple(advantages.shape)} prompts x n={n} advantages")
-    prompt = [q for q in range(prompts) for _ in range(n)]
-    return _rows(own, list(range(len(own))), prompt, [i for _ in range(prompts) for i in range(n)], prompt,
-                 advantages.flatten().tolist(), [1.0] * len(own), peer=False, sft=False)
-
-
-def grpo_minibatches(num_prompts: int, minibatch_prompts: int) -> list[list[int]]:
-    """Consecutive groups of ``minibatch_prompts`` prompts (the last may be smaller: a DAPO batch that
-    its refills could not fill), in order, as ``minibatch_layout`` takes them."""
-    if minibatch_prompts < 1:
-        raise ValueError(f"minibatch_prompts must be >= 1, got {minibatch_prompts}")
-    return [list(range(start, min(start + minibatch_prompts, num_prompts)))
-            for start in range(0, num_prompts, minibatch_prompts)]
-
-
 def _row_columns(rows: list[Row]) -> tuple[list, list, list, list, list]:
     """(prompt, sample, group, advantage, weight) of exchange rows."""
     return ([r.prompt for r in rows], [r.sample for r in rows], [r.group for r in rows],

@@ -41,10 +41,6 @@ class Placement:
     rollout_tp: int        # vLLM tensor parallelism
     nnodes: int = 1
 
-    @property
-    def rollout_replicas(self) -> int:
-        return self.gpus * self.nnodes // self.rollout_tp
-
 
 def placement(cfg: DictConfig) -> Placement:
     """Split each node's GPUs (``pair.gpus``) into one pool per model (both models run, co-trained or

@@ -252,15 +252,6 @@ class VerlModel:
                     metrics.setdefault(key, []).extend(values if isinstance(values, list) else [values])
         return metrics
 
-    def update_grpo(self, own: DataProto, advantages: torch.Tensor) -> dict[str, list[float]]:
-        """Single-model GRPO on the model's own rollouts (prompt-major, n per prompt, ``old_log_probs``)
-        with advantages [P, n]: minibatches of ``ppo_mini_batch_size`` prompts in order (a DAPO batch
-        may end with a smaller one), through the same loss and layout as the exchange methods."""
-        n = int(self.config.actor_rollout_ref.rollout.n)
-        batch = vb.grpo_batch(own, n, advantages)
-        groups = vb.grpo_minibatches(len(own) // n, int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size))
-        return self.update_minibatches(vb.minibatch_layout(batch, groups, dp_size=self.dp_size))
-
     def _update(self, minibatch: DataProto) -> dict:
         """One ``update_actor`` call = one optimizer step over the whole minibatch."""
         rows = len(minibatch)
