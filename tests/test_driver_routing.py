@@ -1,0 +1,149 @@
+"""The driver's routing with the in-memory backend (tests/memory_backend.py): every declared method's step,
+DAPO refills, HACPO's capability ratios, stored replay, checkpoint/resume and failure states, in well under
+a second per job (the real-model versions of these are in test_local.py and test_verl_contract.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from memory_backend import factory
+from mlflow_records import histories, model_runs
+
+from graft_exp import driver, methods, schema, tracking
+from graft_exp.algorithms import hacpo_capability, hacpo_capability_ratio, hacpo_positive_rate
+from graft_exp.config import validate
+from graft_exp.objective import LossSpec
+
+FAST = ["train.batch_prompts=8", "train.minibatch_prompts=4", "train.max_steps=2", "eval.val_every=1",
+        "eval.runs=1", "eval.samples=1", "backend.progress=false"]
+
+
+@pytest.fixture
+def make_job(compose_cfg, store_template, tmp_path):
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+
+    def _make(*overrides: str):
+        cfg = compose_cfg(f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
+                          *FAST, *overrides)
+        validate(cfg)
+        return cfg, tracking.open_job(cfg)
+    return _make
+
+
+def fit(cfg, job, stop_at_step=None, **options):
+    """driver.fit with the in-memory backend: (the backends it created, the final scores)."""
+    created = []
+    scores = driver.fit(cfg, job, factory(created, **options), stop_at_step=stop_at_step)
+    return created, scores
+
+
+@pytest.mark.parametrize("name", [m for m in methods.METHODS if not m.endswith("_stored")])
+def test_every_method_routes_through_its_components(make_job, name):
+    cfg, job = make_job(f"method={name}")
+    (backend,), scores = fit(cfg, job)
+    method, spec = methods.resolve(cfg.method), LossSpec.from_method(cfg.method)
+    assert set(scores) == {"A", "B"} and job.status == "FINISHED"
+    assert [u.role for u in backend.updates] == ["A", "B"] * 2
+    prompts = int(cfg.train.batch_prompts)
+    for update in backend.updates:
+        batch = update.batch
+        assert update.spec == spec
+        assert len(batch.group_is_peer) == prompts * method.peer_loss.groups_per_prompt
+        grouped = sorted(g for mb in update.minibatches for g in mb)
+        assert grouped == sorted(set(grouped))                   # each group in one minibatch
+        assert {r.group for r in batch.rows} <= set(grouped)
+        peer_rows = [r for r in batch.rows if r.origin == "peer"]
+        if not method.co_train:
+            assert not peer_rows and not batch.nll and update.peer is None
+        if method.peer_loss.nll_only:
+            assert not peer_rows
+        if method.peer_loss.pools_every_prompt:   # HACPO: every own group stays, beside the peer's
+            assert {r.prompt for r in batch.rows if r.origin == "self"} == set(range(prompts))
+        if not (method.peer_loss.gated and cfg.method.gate):
+            assert all(r.weight > 0 for r in peer_rows)
+        elif cfg.method.admission == "gate":
+            assert all(r.weight > cfg.method.delta for r in peer_rows)
+    client = job.client
+    job_metrics = histories(client, job.run_id)
+    assert all(schema.known_metric(k, "job") for k in job_metrics)
+    assert ("exchange/A_to_B" in job_metrics) == (method.co_train and not method.replays_stored_log)
+    for run in model_runs(client, job.run_id).values():
+        assert run.info.status == "FINISHED"
+        metrics = histories(client, run.info.run_id)
+        assert all(schema.known_metric(k, "model") for k in metrics), sorted(metrics)
+        assert [s for s, _ in metrics["train/loss"]] == [1, 2]
+        assert ("train/peer_groups" in metrics) == method.co_train
+
+
+def test_a_co_trained_step_exchanges_complementary_prompts(make_job):
+    cfg, job = make_job("method=graft", "train.batch_prompts=16")
+    (backend,), _ = fit(cfg, job)
+    exchanged = histories(job.client, job.run_id)
+    assert all(v > 0 for _, v in exchanged["exchange/A_to_B"] + exchanged["exchange/B_to_A"])
+    update = backend.updates[0]      # A receives B's groups where A failed and B did not
+    for row in (r for r in update.batch.rows if r.origin == "peer"):
+        assert update.own.rollouts.k[row.prompt] == 0 and 1 <= update.peer.k[row.prompt] < update.peer.n
+
+
+def test_dynamic_sampling_refills_with_informative_groups(make_job):
+    cfg, job = make_job("method=grpo_ds")
+    (backend,), _ = fit(cfg, job)
+    assert backend.gathered == 4                                # each role, each step
+    for update in backend.updates:
+        k, n = update.own.rollouts.k, update.own.rollouts.n
+        assert len(k) == 8 and bool(((k > 0) & (k < n)).all())
+
+
+def test_hacpo_gets_each_direction_s_capability_ratio(make_job):
+    cfg, job = make_job("method=hacpo")
+    (backend,), _ = fit(cfg, job)
+    rates = {"A": [], "B": []}
+    for step in (0, 1):
+        a, b = backend.updates[2 * step], backend.updates[2 * step + 1]
+        for update in (a, b):
+            rates[update.role].append(float(hacpo_positive_rate(update.own.rollouts.rewards)))
+        cap = {role: hacpo_capability(r) for role, r in rates.items()}
+        assert a.capability_ratio == hacpo_capability_ratio(cap["B"], cap["A"])
+        assert b.capability_ratio == hacpo_capability_ratio(cap["A"], cap["B"])
+    assert backend.updates[0].capability_ratio != 1.0           # the complementary roles differ
+
+
+def test_stored_replay_trains_on_the_peer_s_logged_rollouts(make_job):
+    cfg, job = make_job("method=grpo_n8")
+    (grpo,), _ = fit(cfg, job)
+    cfg, job = make_job("method=graft_stored")
+    (stored,), _ = fit(cfg, job)
+    assert "exchange/A_to_B" not in histories(job.client, job.run_id)
+    logged = {(u.role, i // 2): u.own.rollouts for i, u in enumerate(grpo.updates)}
+    for i, update in enumerate(stored.updates):
+        peer_role = "B" if update.role == "A" else "A"
+        source = logged[peer_role, i // 2]
+        assert update.peer.responses == source.responses and update.peer.prompt_ids == source.prompt_ids
+
+
+def test_a_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
+    cfg, job = make_job("method=hacpo", "train.max_steps=3", "train.save_every=1", "study=whole")
+    fit(cfg, job)
+    whole = {r: histories(job.client, run.info.run_id) for r, run in model_runs(job.client, job.run_id).items()}
+    cfg, job = make_job("method=hacpo", "train.max_steps=3", "train.save_every=1", "study=split", "rerun=true")
+    fit(cfg, job, stop_at_step=2)
+    assert job.status == "RUNNING"                              # as a preempted job leaves it
+    cfg, resumed = make_job("method=hacpo", "train.max_steps=3", "train.save_every=1", "study=split")
+    assert resumed.resumed and resumed.run_id == job.run_id
+    (backend,), _ = fit(cfg, resumed)
+    assert [u.role for u in backend.updates] == ["A", "B"]      # only step 3 was trained again
+    for role, run in model_runs(resumed.client, resumed.run_id).items():
+        split = histories(resumed.client, run.info.run_id)
+        whole[role].pop("cost/gpu_hours"), split.pop("cost/gpu_hours")
+        assert split == whole[role], role
+
+
+def test_a_failing_update_closes_every_run_failed(make_job):
+    cfg, job = make_job("method=graft")
+    with pytest.raises(RuntimeError, match="update failed"):
+        fit(cfg, job, fail_update_at=1)
+    assert job.status == "FAILED"
+    assert {r.info.status for r in model_runs(job.client, job.run_id).values()} == {"FAILED"}
+    cfg, again = make_job("method=graft")                       # a re-launch resumes the failed run
+    assert again.resumed and again.run_id == job.run_id
