@@ -70,7 +70,7 @@ class Backend(Protocol):
         """Receiver-old log-probs of re-tokenized peer responses (eq. 8), cached for ``update``."""
 
     def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
-               peer: Rollouts | None, capability_ratio: float) -> dict[str, float]:
+               source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """One optimizer step per minibatch, in order, with ``spec``'s loss: the mean minibatch ``loss`` and
         the summed counts of ``graft_exp.objective`` (``tokens_self``, ``clipped_tokens_peer``, ``seqs_*``, ...)."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import methods, reward, tracking
+from graft_exp import methods, reward, schema, tracking
 from graft_exp.algorithms import (
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
@@ -267,7 +267,7 @@ class Driver:
         counts = self.each(update)
         # 4. Record: per-model metrics, the trajectory log, GPU-hours.
         metrics = {role: self.record(role, step, own, batches[role], sources[role], counts[role]) for role in roles}
-        job_metrics["cost/gpu_hours"] = self.charge(timer.seconds, time.perf_counter() - started, metrics)
+        job_metrics[schema.GPU_HOURS] = self.charge(timer.seconds, time.perf_counter() - started, metrics)
         return metrics, job_metrics
 
     def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
@@ -282,7 +282,8 @@ class Driver:
             batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method, rollouts["A"], rollouts["B"],
                                                            (scorers["A"], scorers["B"]), gen, (ratios["A"], ratios["B"]))
             return ({"A": batch_a, "B": batch_b}, {"A": rollouts["B"], "B": rollouts["A"]}, ratios,
-                    {"exchange/A_to_B": float(a_to_b.sum()), "exchange/B_to_A": float(b_to_a.sum())})
+                    {schema.exchange_metric("A", "B"): float(a_to_b.sum()),
+                     schema.exchange_metric("B", "A"): float(b_to_a.sum())})
         if method.replays_stored_log:
             batches, sources = {}, {}
             for role, sampled in own.items():
@@ -298,15 +299,15 @@ class Driver:
                counts: dict[str, float]) -> dict[str, float]:
         """Model ``role``'s step metrics (``schema.MODEL_METRICS``) and its trajectory-log entry."""
         rollouts = own[role].rollouts
-        m = {f"train/{k}": v for k, v in rollout_metrics(rollouts).items()}
+        m = {schema.TRAIN + k: v for k, v in rollout_metrics(rollouts).items()}
         m.update(update_metrics(counts, self.spec))
         if self.method.co_train:
-            m.update({f"train/{k}": v for k, v in batch.metrics.items()})
+            m.update({schema.TRAIN + k: v for k, v in batch.metrics.items()})
         # What the peer solved: the exchange's source, or the other GRPO model on the same prompts.
         if source is None and not self.method.dynamic_sampling and PEER_OF[role] in own:
             source = own[PEER_OF[role]].rollouts
         if source is not None:
-            m["train/peer_solved_frac"] = peer_solved_frac(rollouts, source)
+            m[schema.TRAIN + "peer_solved_frac"] = peer_solved_frac(rollouts, source)
         write_step(self.root / "trajectories" / role, step, rollouts, own[role].token_ids)
         return m
 
@@ -317,7 +318,7 @@ class Driver:
         self.job_device_seconds += joint
         for role, member in self.members.items():
             member.device_seconds += shares[role]
-            metrics[role]["cost/gpu_hours"] = member.device_seconds / 3600.0
+            metrics[role][schema.GPU_HOURS] = member.device_seconds / 3600.0
         return self.job_device_seconds / 3600.0
 
     # -------------------------------------------------------------------- validation, checkpoints
@@ -332,7 +333,7 @@ class Driver:
                             float(ev.top_p), derive_seed(self.cfg.seed, step, "val"))
         for role, scores in self.each(run).items():
             member = self.members[role]
-            member.log({f"val/{k}": v for k, v in scores.items()}, step)
+            member.log({schema.VAL + k: v for k, v in scores.items()}, step)
             if step > 0 and member.best.update(step, scores[AVG]):
                 self.backend.keep_best(role, step)
 
@@ -394,9 +395,9 @@ class Driver:
                                    int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
                                    derive_seed(self.cfg.seed, "test"))
         for r, scores in enumerate(results):
-            member.log({f"test/{k}": v for k, v in scores.items()}, r)
+            member.log({schema.TEST + k: v for k, v in scores.items()}, r)
         if member.run is not None:
-            member.run.set_tags({"graft.best_step": member.best.step})
+            member.run.set_tags({schema.BEST_STEP: member.best.step})
             traj = self.root / "trajectories" / member.role
             staged = self.root / f"artifacts_{member.role}"
             shutil.rmtree(staged, ignore_errors=True)
@@ -429,7 +430,7 @@ class Driver:
                     member.log(metrics[role], step)
                 if is_validation_step(step, every, self.total_steps):
                     self.validate(step)
-                bar.advance({role: m["train/reward_mean"] for role, m in metrics.items()})
+                bar.advance({role: m[schema.TRAIN + "reward_mean"] for role, m in metrics.items()})
                 if step % save_every == 0 or step == self.total_steps or step == stop_at_step:
                     self.save_checkpoint(step)
                 if step == stop_at_step:
@@ -449,9 +450,9 @@ def update_metrics(counts: dict[str, float], spec: LossSpec) -> dict[str, float]
     The peer fraction is NaN (not logged) at a step without peer tokens."""
     kind = "seqs" if spec.sequence_level else "tokens"
     own, peer = counts.get(f"{kind}_self", 0.0), counts.get(f"{kind}_peer", 0.0)
-    return {"train/loss": counts["loss"],
-            "train/clipfrac_self": counts.get(f"clipped_{kind}_self", 0.0) / max(own, 1.0),
-            "train/clipfrac_peer": counts.get(f"clipped_{kind}_peer", 0.0) / peer if peer > 0 else float("nan")}
+    return {schema.TRAIN + "loss": counts["loss"],
+            schema.TRAIN + "clipfrac_self": counts.get(f"clipped_{kind}_self", 0.0) / max(own, 1.0),
+            schema.TRAIN + "clipfrac_peer": counts.get(f"clipped_{kind}_peer", 0.0) / peer if peer > 0 else float("nan")}
 
 
 def download_stored_log(cfg: DictConfig, client, peer: str, download_to: Path):

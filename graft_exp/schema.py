@@ -50,6 +50,18 @@ MODEL_METRICS = {
     "val/<bench>": "validation steps (0, every eval.val_every, last)", "val/avg": "validation steps",
     "test/<bench>": "final evaluation of the best checkpoint, one per run", "test/avg": "final evaluation",
 }
+# Names the writers use (driver.py, tracking.py); each is a key of the tables above.
+GPU_HOURS = "cost/gpu_hours"
+TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
+BEST_STEP = "graft.best_step"
+RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
+
+
+def exchange_metric(source: str, receiver: str) -> str:
+    """The job metric counting the prompts selected from role ``source`` to role ``receiver``."""
+    return f"exchange/{source}_to_{receiver}"
+
+
 #: Tag of the analysis run that holds regenerated tables and figures (not a training run).
 ANALYSIS_TAGS = {"graft.analysis": "on the analysis run `python -m analysis ... --log-to-mlflow` creates"}
 

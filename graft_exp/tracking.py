@@ -32,7 +32,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import methods, scheduler
+from graft_exp import methods, scheduler, schema
 
 # Config sections that say where or how a job runs, not what it computes.
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")
@@ -310,7 +310,7 @@ def _open(client: MlflowClient, experiment_id: str, key: str, tags: dict, run_na
     if found is not None and found.info.status != "FINISHED":
         client.update_run(found.info.run_id, status="RUNNING")
         return TrackedRun(client, found.info.run_id, resumed=True)
-    run = client.create_run(experiment_id, tags={"graft.run_key": key, **tags}, run_name=run_name)
+    run = client.create_run(experiment_id, tags={schema.RUN_KEY: key, **tags}, run_name=run_name)
     return TrackedRun(client, run.info.run_id)
 
 
@@ -526,9 +526,9 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     or it belongs to another job run (a shared baseline that job is training, or will resume)."""
     other = "B" if role == "A" else "A"
     tags = {
-        **common_tags(cfg), PARENT_TAG: job.run_id, "graft.model": cfg.pair[role],
-        "graft.peer": cfg.pair[other] if cfg.method.co_train else "none",
-        "graft.role": role, "graft.n": str(cfg.method.n), **source_tags("python -m graft_exp"),
+        **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
+        schema.PEER: cfg.pair[other] if cfg.method.co_train else "none",
+        schema.ROLE: role, "graft.n": str(cfg.method.n), **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),
     }
     key = model_run_key(cfg, role)

@@ -43,7 +43,7 @@ class Update:
     own: Sampled
     batch: ReceiverBatch
     minibatches: list[list[int]]
-    peer: Rollouts | None
+    source: Rollouts | None
     capability_ratio: float
 
 
@@ -98,10 +98,10 @@ class MemoryBackend:
         return score
 
     def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
-               peer: Rollouts | None, capability_ratio: float) -> dict[str, float]:
+               source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         if self.fail_update_at is not None and len(self.updates) == self.fail_update_at:
             raise RuntimeError("update failed (test)")
-        self.updates.append(Update(role, spec, own, batch, minibatches, peer, capability_ratio))
+        self.updates.append(Update(role, spec, own, batch, minibatches, source, capability_ratio))
         rows = [r for groups in minibatches for r in batch.rows_in(groups)]
         self.state[role] += sum(r.advantage * r.weight for r in rows)
         kind = "seqs" if spec.sequence_level else "tokens"

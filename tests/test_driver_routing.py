@@ -55,7 +55,7 @@ def test_every_method_routes_through_its_components(make_job, name):
         assert {r.group for r in batch.rows} <= set(grouped)
         peer_rows = [r for r in batch.rows if r.origin == "peer"]
         if not method.co_train:
-            assert not peer_rows and not batch.nll and update.peer is None
+            assert not peer_rows and not batch.nll and update.source is None
         if method.peer_loss.nll_only:
             assert not peer_rows
         if method.peer_loss.pools_every_prompt:   # HACPO: every own group stays, beside the peer's
@@ -83,7 +83,7 @@ def test_a_co_trained_step_exchanges_complementary_prompts(make_job):
     assert all(v > 0 for _, v in exchanged["exchange/A_to_B"] + exchanged["exchange/B_to_A"])
     update = backend.updates[0]      # A receives B's groups where A failed and B did not
     for row in (r for r in update.batch.rows if r.origin == "peer"):
-        assert update.own.rollouts.k[row.prompt] == 0 and 1 <= update.peer.k[row.prompt] < update.peer.n
+        assert update.own.rollouts.k[row.prompt] == 0 and 1 <= update.source.k[row.prompt] < update.source.n
 
 
 def test_dynamic_sampling_refills_with_informative_groups(make_job):
@@ -119,7 +119,7 @@ def test_stored_replay_trains_on_the_peer_s_logged_rollouts(make_job):
     for i, update in enumerate(stored.updates):
         peer_role = "B" if update.role == "A" else "A"
         source = logged[peer_role, i // 2]
-        assert update.peer.responses == source.responses and update.peer.prompt_ids == source.prompt_ids
+        assert update.source.responses == source.responses and update.source.prompt_ids == source.prompt_ids
 
 
 def test_a_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):

@@ -126,7 +126,7 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ update
     def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
-               peer: Rollouts | None, capability_ratio: float) -> dict[str, float]:
+               source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """One AdamW step per minibatch, in the driver's order, on ``receiver_loss``."""
         policy, cache, data = self.policies[role], self.peer_cache[role], own.data
         policy.model.train()
@@ -150,7 +150,7 @@ class LocalBackend:
             if "old_log_prob" in needs:
                 columns["old_log_prob"] = policy.padded(old, log_prob.shape[1])
             if "source_mean_log_prob" in needs:
-                columns["source_mean_log_prob"] = generation_mean_log_prob(rows, own.rollouts, peer).to(
+                columns["source_mean_log_prob"] = generation_mean_log_prob(rows, own.rollouts, source).to(
                     device=self.device, dtype=log_prob.dtype)
             if "capability_ratio" in needs:
                 columns["capability_ratio"] = capability_ratio
@@ -162,7 +162,7 @@ class LocalBackend:
                                                                         model=self.references[role])
             if nll:
                 nll_prompts = self.prompt_ids(role, [own.problems[q] for q, _ in nll])
-                nll_ids = [policy.encode_response(peer.responses[q][i], bool(peer.finished[q, i])) for q, i in nll]
+                nll_ids = [policy.encode_response(source.responses[q][i], bool(source.finished[q, i])) for q, i in nll]
                 columns["sft"] = SftRows(*policy.token_log_probs(nll_prompts, nll_ids))
             loss, raw = receiver_loss(spec, log_prob, mask, **columns)
             for key in COUNT_METRICS:

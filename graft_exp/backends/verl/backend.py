@@ -152,13 +152,13 @@ class VerlBackend:
 
     # ------------------------------------------------------------------ update
     def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
-               peer: Rollouts | None, capability_ratio: float) -> dict[str, float]:
+               source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """The receiver batch as verl rows, cut into the driver's minibatches, one ``update_actor`` each."""
         model, scorer = self.models[role], self.scorers[role]
-        peer_rows = scorer.score(batch.nll, peer) if batch.nll else scorer.scored   # SGT scores its NLL rows only
+        peer_rows = scorer.score(batch.nll, source) if batch.nll else scorer.scored   # SGT scores its NLL rows only
         rows = vb.receiver_batch(own.data, self.n, peer_rows, batch)
         if "source_mean_log_prob" in spec.columns:
-            vb.hacpo_columns(rows, own.rollouts, peer, capability_ratio)
+            vb.hacpo_columns(rows, own.rollouts, source, capability_ratio)
         if spec.needs_reference_model:
             rows.batch["ref_log_prob"] = model.log_probs(rows, reference=True)
         raw = model.update_minibatches(vb.minibatch_layout(rows, minibatches, dp_size=model.dp_size,
