@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from graft_exp.algorithms import (
 )
 from graft_exp.config import PEER_OF, ROLES, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
+from graft_exp.costs import Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
 from graft_exp.exchange import (
     ReceiverBatch,
@@ -109,40 +109,6 @@ class Member:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:
             self.run.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, step)
-
-
-class Timer:
-    """Busy seconds per role; ``shared`` work (reward checks, the exchange's bookkeeping) is split evenly."""
-
-    def __init__(self, roles: Sequence[str]):
-        self.seconds = {role: 0.0 for role in roles}
-
-    @contextmanager
-    def __call__(self, *roles: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            share = (time.perf_counter() - started) / len(roles)
-            for role in roles:
-                self.seconds[role] += share
-
-
-def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_train: bool,
-               concurrent: bool) -> tuple[dict[str, float], float]:
-    """Device-seconds of one training step: (each model's, the job's). Paper App. D, docs/design.md "GPU-hours".
-
-    Independent models pay their own busy time on their own devices; the job is their sum. A co-trained
-    pair pays the step's wall time on every device it holds (both pools when they are disjoint, the one
-    shared device otherwise), split between the models in proportion to their busy time, so the shares
-    add up to the joint cost."""
-    if not co_train:
-        own = {role: busy[role] * devices[role] for role in busy}
-        return own, sum(own.values())
-    joint = wall * (sum(devices.values()) if concurrent else max(devices.values()))
-    total_busy = sum(busy.values())
-    shares = {role: joint * (busy[role] / total_busy if total_busy > 0 else 1 / len(busy)) for role in busy}
-    return shares, joint
 
 
 # ---------------------------------------------------------------------------------------- the step

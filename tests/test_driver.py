@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from graft_exp.driver import Timer, step_costs
+from graft_exp.costs import Timer, step_costs
 
 
 def test_independent_models_pay_their_own_busy_time_on_their_own_gpus():

@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from graft_exp import tracking
+from graft_exp.costs import accounted_gpus
 
 
 @pytest.fixture
@@ -166,11 +167,11 @@ def test_shared_grpo_baseline_belongs_to_the_job_that_started_it(job_cfg, uri):
 
 def test_accounted_gpus(compose_cfg, monkeypatch):
     monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
-    assert tracking.accounted_gpus(compose_cfg("pair=pair1")) == 4
-    assert tracking.accounted_gpus(compose_cfg("pair=tiny")) == 1
+    assert accounted_gpus(compose_cfg("pair=pair1")) == 4
+    assert accounted_gpus(compose_cfg("pair=tiny")) == 1
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
-    assert tracking.accounted_gpus(compose_cfg("pair=pair1")) == 16
+    assert accounted_gpus(compose_cfg("pair=pair1")) == 16
 
 
 def test_runs_carry_what_the_mlflow_ui_reads(job_cfg, uri):

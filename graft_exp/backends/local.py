@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from graft_exp import tracking
 from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
+from graft_exp.costs import accounted_gpus
 from graft_exp.exchange import PEER, ReceiverBatch, Scorer
 from graft_exp.objective import COUNT_METRICS, LossSpec, SftRows, generation_mean_log_prob, receiver_loss
 from graft_exp.rollouts import Rollouts
@@ -62,7 +62,7 @@ class LocalBackend:
             torch.set_num_threads(int(cfg.backend.threads))
         self.cfg, self.roles, self.train = cfg, roles, cfg.train
         self.device = resolve_device(cfg.backend.device)
-        self.gpus = tracking.accounted_gpus(cfg)
+        self.gpus = accounted_gpus(cfg)
         size = cfg.eval.max_problems or tiny.EVAL_SIZE
         self._benchmarks = {k: v[:size] for k, v in tiny.benchmarks(list(cfg.pair.benchmarks)).items()}
         self._problems = train_split(SKILLS, tiny.EVAL_SIZE, int(cfg.pair.train_size))

@@ -1,0 +1,258 @@
+"""Job runs and model runs: open (new, resumed or skipped by run key, a live duplicate refused), tags,
+exactly-once metric logging (``TrackedRun``), and the stored-log lookup of stored-trajectory replay."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from graft_exp import methods, scheduler, schema
+from graft_exp.tracking.datasets import log_dataset_inputs
+from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags
+from graft_exp.tracking.store import TrackingError, ensure_store, experiment_name
+
+PARENT_TAG = "mlflow.parentRunId"
+
+
+MAX_BATCH = 1000   # MLflow's log_batch limit on metrics per call
+
+
+MAX_PARAMS = 100   # ... and on params per call
+
+
+DESCRIPTION_TAG = "mlflow.note.content"
+
+
+@dataclass
+class TrackedRun:
+    """One MLflow run (job or model) with batched, exactly-once metric logging."""
+
+    client: MlflowClient
+    run_id: str
+    resumed: bool = False
+    _logged: dict[str, set[int]] = field(default_factory=dict)
+
+    def logged_steps(self, key: str) -> set[int]:
+        """Steps at which ``key`` is already recorded (read once per key on resumed runs)."""
+        if key not in self._logged:
+            history = self.client.get_metric_history(self.run_id, key) if self.resumed else []
+            self._logged[key] = {m.step for m in history}
+        return self._logged[key]
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log metrics at ``step``, skipping any (key, step) already recorded: a resumed job that
+        replays its last step neither duplicates nor drops it."""
+
+        now = int(time.time() * 1000)
+        batch = []
+        for key, value in metrics.items():
+            steps = self.logged_steps(key)
+            if step in steps:
+                continue
+            steps.add(step)
+            batch.append(Metric(key, float(value), now, step))
+        for i in range(0, len(batch), MAX_BATCH):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + MAX_BATCH])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_params(self, params: dict[str, str]) -> None:
+        existing = self.client.get_run(self.run_id).data.params if self.resumed else {}
+        todo = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
+        for i in range(0, len(todo), MAX_PARAMS):
+            self.client.log_batch(self.run_id, params=todo[i:i + MAX_PARAMS])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+    @property
+    def status(self) -> str:
+        return self.client.get_run(self.run_id).info.status
+
+
+def find_run(client: MlflowClient, key: str):
+    """The newest run, in any graft/ experiment, whose graft.run_key is ``key`` (or None)."""
+    exps = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    if not exps:
+        return None
+    runs = client.search_runs(exps, f"tags.`graft.run_key` = '{key}'", max_results=1,
+                              order_by=["attributes.start_time DESC"])
+    return runs[0] if runs else None
+
+
+class AlreadyRunning(TrackingError):
+    """Another live process (Slurm job or local process) is writing the run of this key."""
+
+
+def _open(client: MlflowClient, experiment_id: str, key: str, tags: dict, run_name: str,
+          rerun: bool) -> TrackedRun | None:
+    """Find-or-create by key: None if FINISHED (and not rerun), the same run if unfinished.
+
+    ``rerun`` only lets a FINISHED run be trained again; an unfinished one is always resumed, so
+    that a requeued ``rerun=true`` job continues its new run instead of starting a third.
+    """
+    found = find_run(client, key)
+    if found is not None and found.info.status == "FINISHED" and not rerun:
+        return None
+    if found is not None and found.info.status != "FINISHED":
+        client.update_run(found.info.run_id, status="RUNNING")
+        return TrackedRun(client, found.info.run_id, resumed=True)
+    run = client.create_run(experiment_id, tags={schema.RUN_KEY: key, **tags}, run_name=run_name)
+    return TrackedRun(client, run.info.run_id)
+
+
+def _refuse_live_duplicate(client: MlflowClient, key: str) -> None:
+    """Raise AlreadyRunning when the unfinished run of ``key`` is being written by another live
+    job: launching a sweep twice must not make two processes train into one run. The same Slurm
+    job coming back after a requeue is not another job."""
+    found = find_run(client, key)
+    if found is None or found.info.status != "RUNNING":
+        return
+    tags = found.data.tags
+    me = scheduler.slurm_job_id()
+    if tags.get("graft.slurm_job_id"):
+        if tags["graft.slurm_job_id"] == me:
+            return
+        alive = scheduler.liveness(tags, scheduler.slurm_queue())
+    elif tags.get("graft.pid") == str(os.getpid()) and not me:
+        return
+    else:
+        alive = scheduler.liveness(tags, None)
+    if alive:
+        where = tags.get("graft.slurm_job_id") or f"pid {tags.get('graft.pid')} on {tags.get('graft.host')}"
+        raise AlreadyRunning(f"run {found.info.run_id} (graft.run_key={key}) is being trained by {where}; "
+                             "not starting a second copy")
+
+
+def common_tags(cfg: DictConfig) -> dict[str, str]:
+    """Tags of job and model runs: what the run is, and where it runs now."""
+    return {
+        "graft.study": cfg.study, "graft.method": cfg.method.name, "graft.pair": cfg.pair.name,
+        "graft.seed": str(cfg.seed), "graft.backend": cfg.backend.name,
+        **scheduler.location_tags(),
+    }
+
+
+def key_params(cfg: DictConfig) -> dict[str, str]:
+    """Short top-level params to group and filter by in the UI, beside the flattened config.
+    ``delta`` is the compatibility floor of methods that gate peer responses, else ``none``."""
+    gated = cfg.method.co_train and cfg.method.gate
+    return {"method": cfg.method.name, "pair": cfg.pair.name, "seed": str(cfg.seed),
+            "delta": str(cfg.method.delta) if gated else "none", "n": str(cfg.method.n),
+            "backend": cfg.backend.name}
+
+
+def run_params(cfg: DictConfig) -> dict[str, str]:
+    """Params of job and model runs: the flattened resolved config and the short key params."""
+    return {**flatten(OmegaConf.to_container(cfg, resolve=True)), **key_params(cfg)}
+
+
+def job_description(cfg: DictConfig) -> str:
+    pair = cfg.pair
+    how = "co-trained" if cfg.method.co_train else "each trained alone"
+    return (f"{cfg.method.name} on pair {pair.name} ({pair.A} and {pair.B}, {how}), seed {cfg.seed}, "
+            f"n={cfg.method.n}, {cfg.backend.name} backend")
+
+
+def model_description(cfg: DictConfig, role: str) -> str:
+    peer = cfg.pair["B" if role == "A" else "A"]
+    replayed = methods.resolve(cfg.method).source.replays_log_of
+    source = f"its stored {replayed} log" if replayed else "online"
+    partner = f", peer {peer} ({source})" if cfg.method.co_train else ""
+    return f"{cfg.pair[role]} (role {role}) trained with {cfg.method.name}{partner}, seed {cfg.seed}"
+
+
+class StoredLogMissing(TrackingError):
+    """graft_stored's source, the peer's finished GRPO n=8 run with the same seed, is not in the store."""
+
+
+def stored_log_run(client: MlflowClient, cfg: DictConfig, peer: str):
+    """The run whose trajectory log ``graft_stored`` replays when ``peer`` is the source: the newest
+    FINISHED GRPO n=8 model run of ``peer`` with this seed, in any graft/ experiment (or None). Any
+    backend's run of that model qualifies: the model key names the weights."""
+    experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    if not experiments:
+        return None
+    query = (f"tags.`graft.method` = '{replayed_method(cfg)}' and tags.`graft.model` = '{peer}' and "
+             f"tags.`graft.seed` = '{cfg.seed}' and attributes.status = 'FINISHED'")
+    runs = client.search_runs(experiments, query, max_results=1, order_by=["attributes.start_time DESC"])
+    return runs[0] if runs else None
+
+
+def replayed_method(cfg: DictConfig) -> str | None:
+    """The single-model method whose trajectory logs a job replays (``methods.Source``), or None."""
+    return methods.resolve(cfg.method).source.replays_log_of
+
+
+def stored_log_peers(cfg: DictConfig) -> list[str]:
+    """The models whose GRPO n=8 logs a job replays: both of the pair (each role replays its peer)."""
+    return [cfg.pair.A, cfg.pair.B] if replayed_method(cfg) else []
+
+
+def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
+    """Raise StoredLogMissing, naming the job to launch first, when a peer log ``cfg`` replays is absent."""
+    missing = [peer for peer in stored_log_peers(cfg) if stored_log_run(client, cfg, peer) is None]
+    if missing:
+        raise StoredLogMissing(
+            f"method={cfg.method.name} replays the trajectory log of the finished GRPO n=8 run with seed "
+            f"{cfg.seed} of {' and '.join(missing)}, and {cfg.tracking.uri} has none: launch "
+            f"`python -m graft_exp pair={cfg.pair.name} method={replayed_method(cfg)} seed={cfg.seed}` first")
+
+
+def open_job(cfg: DictConfig) -> TrackedRun | None:
+    """The job run of ``cfg`` (new or resumed), or None when a FINISHED run exists and not rerun.
+
+    Raises AlreadyRunning when another live job is training this key right now, and
+    StoredLogMissing (before any run is created) when a ``graft_stored`` job has no log to replay."""
+    uri = cfg.tracking.uri
+    experiment_id = ensure_store(uri, experiment_name(cfg))
+    client = MlflowClient(uri)
+    key = run_key(cfg)
+    _refuse_live_duplicate(client, key)
+    check_stored_logs(cfg, client)
+    tags = {**common_tags(cfg), "graft.git_sha": git_sha(), **source_tags("python -m graft_exp"),
+            DESCRIPTION_TAG: job_description(cfg)}
+    name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
+    job = _open(client, experiment_id, key, tags, name, cfg.rerun)
+    if job is not None:
+        job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
+        job.log_params(run_params(cfg))
+        log_dataset_inputs(client, job.run_id, cfg)
+    return job
+
+
+def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | None:
+    """The model run of ``role`` under ``job`` (new or resumed), or None when this job must not
+    train that model: its run is FINISHED already (e.g. a GRPO baseline trained for another pair),
+    or it belongs to another job run (a shared baseline that job is training, or will resume)."""
+    other = "B" if role == "A" else "A"
+    tags = {
+        **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
+        schema.PEER: cfg.pair[other] if cfg.method.co_train else "none",
+        schema.ROLE: role, "graft.n": str(cfg.method.n), **source_tags("python -m graft_exp"),
+        DESCRIPTION_TAG: model_description(cfg, role),
+    }
+    key = model_run_key(cfg, role)
+    found = find_run(job.client, key)
+    unfinished = found is not None and found.info.status != "FINISHED"
+    if unfinished and found.data.tags.get(PARENT_TAG) != job.run_id:
+        return None
+    experiment_id = job.client.get_run(job.run_id).info.experiment_id
+    name = f"{cfg.pair[role]}-{cfg.method.name}-s{cfg.seed}"
+    run = _open(job.client, experiment_id, key, tags, name, cfg.rerun)
+    if run is not None:
+        if run.resumed:
+            run.set_tags(common_tags(cfg))
+        run.log_params(run_params(cfg))
+        log_dataset_inputs(job.client, run.run_id, cfg)
+    return run

@@ -1,0 +1,138 @@
+"""The tracking store: experiment names, the checks before anything is launched (an unwritable SQLite
+file, a dead server, missing credentials: errors that say what to fix), store creation, UI links."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+
+# MLflow 3.x records an experiment's kind in this tag; the UI's experiment-kind selector writes it.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; the message says what to check."""
+
+
+def experiment_name(cfg: DictConfig) -> str:
+    return f"graft/{cfg.study}"
+
+
+def check_store(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail fast, with the fix in the message, when ``uri`` cannot take runs: a SQLite file in a
+    missing or read-only place, or a tracking server that does not answer its health check."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        place = db if db.exists() else db.parent
+        if not place.exists() or not os.access(place, os.W_OK):
+            raise TrackingError(f"cannot write the MLflow store {uri}: {place} is missing or not "
+                                "writable; set tracking.uri to a writable location")
+    elif uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
+        except requests.RequestException as err:
+            raise TrackingError(
+                f"the MLflow tracking server {uri} does not answer ({type(err).__name__}: {err}). "
+                "Start it (python -m graft_exp.server start --dir ... --host ...) or fix "
+                "MLFLOW_TRACKING_URI, then launch again."
+            ) from err
+
+
+def check_credentials(uri: str, experiment: str, timeout_s: float = 10.0) -> None:
+    """Fail before submission when a tracking server with authentication (MLflow's basic-auth
+    app) would refuse the jobs: their credentials, as MLflow reads them (MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD, else ~/.mlflow/credentials), are refused (401), the server refuses
+    the request itself (403, e.g. a host name outside its --allowed-hosts), or the user may not
+    write the existing experiment (403). A server without authentication passes."""
+    import requests
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    creds = read_mlflow_creds()
+    auth = (creds.username, creds.password) if creds.username and creds.password else None
+    who = f"user {creds.username!r}" if auth else "no credentials"
+    base = uri.rstrip("/")
+    fix = ("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or ~/.mlflow/credentials "
+           "(mode 0600), to a user of the server (python -m graft_exp.server add-user NAME)")
+    try:
+        me = requests.get(f"{base}/api/2.0/mlflow/users/current", auth=auth, timeout=timeout_s)
+        if me.status_code == 404:   # no authentication app: nothing to check
+            return
+        if me.status_code == 401:
+            raise TrackingError(f"the MLflow tracking server {uri} refused {who} (401 Unauthorized): "
+                                f"{fix}, then launch again")
+        if me.status_code == 403:
+            raise TrackingError(f"the MLflow tracking server {uri} refused the request (403 Forbidden: "
+                                f"{me.text.strip()[:200]}); if it names the Host header, start the "
+                                "server with this host name (graft_exp.server start --name)")
+        me.raise_for_status()
+        if me.json()["user"]["is_admin"]:
+            return
+        exp = requests.get(f"{base}/api/2.0/mlflow/experiments/get-by-name", auth=auth,
+                           params={"experiment_name": experiment}, timeout=timeout_s)
+        if exp.status_code == 404:   # a new experiment: creating it (ensure_store) is the check
+            return
+        exp.raise_for_status()
+        perm = requests.get(f"{base}/api/3.0/mlflow/users/permissions/get", auth=auth, timeout=timeout_s,
+                            params={"username": creds.username, "resource_type": "experiment",
+                                    "resource_id": exp.json()["experiment"]["experiment_id"]})
+        perm.raise_for_status()
+    except requests.RequestException as err:
+        raise TrackingError(f"cannot check the credentials on the MLflow tracking server {uri} "
+                            f"({type(err).__name__}: {err})") from err
+    if perm.json()["permission"] not in ("EDIT", "MANAGE"):
+        raise TrackingError(f"{who} may not write experiment {experiment!r} on the MLflow tracking "
+                            f"server {uri} (403 Forbidden: its permission is {perm.json()['permission']}); use the "
+                            "credentials of a user that writes (graft_exp.server add-user without "
+                            "--read-only) or have EDIT granted on the experiment")
+
+
+def ensure_store(uri: str, experiment: str) -> str:
+    """Create (or migrate) the store and the experiment, from the launching process; return the
+    experiment id.
+
+    Concurrent first-time SQLite schema creation crashes jobs, so this runs once before any job
+    starts. An unreachable server or unwritable store fails here, before anything is launched.
+    """
+    check_store(uri)
+    if uri.startswith(("http://", "https://")):
+        check_credentials(uri, experiment)
+    try:
+        client = MlflowClient(uri)   # a database store is created, or its missing tables migrated, here
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        for key, value in EXPERIMENT_TAGS.items():   # experiments made before the kind was recorded
+            if key not in exp.tags:
+                client.set_experiment_tag(exp.experiment_id, key, value)
+        return exp.experiment_id
+    except Exception as err:  # MLflow raises many kinds; all mean the same thing to the user
+        if getattr(err, "error_code", None) == "PERMISSION_DENIED":
+            raise TrackingError(f"MLflow tracking server {uri} refused to create experiment "
+                                f"{experiment!r} (403 Forbidden): the user has read-only access; use "
+                                "credentials of a user that writes") from err
+        raise TrackingError(
+            f"MLflow tracking store {uri} is not usable ({type(err).__name__}: {err}). "
+            "Start the server / fix tracking.uri (or MLFLOW_TRACKING_URI) and launch again."
+        ) from err
+
+
+def ui_link(experiment_id: str, server: str = "http://127.0.0.1:5000") -> str:
+    """The experiment's runs table in the MLflow UI. MLflow 3.17's UI opens every experiment on its
+    GenAI overview unless the workflow type is ``machine_learning`` (its sidebar toggle "Model
+    training", remembered per browser, or this URL parameter); the experiment-kind tag does not
+    change that."""
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def compare_hint(uri: str, experiment_id: str) -> str:
+    """One line telling where to compare the runs of ``experiment_id``."""
+    if uri.startswith(("http://", "https://")):
+        return f"compare the runs in the MLflow UI: {ui_link(experiment_id, uri)}"
+    return f"compare the runs in the MLflow UI: mlflow ui --backend-store-uri {uri}, then open {ui_link(experiment_id)}"
