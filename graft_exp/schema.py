@@ -50,7 +50,7 @@ MODEL_METRICS = {
     "val/<bench>": "validation steps (0, every eval.val_every, last)", "val/avg": "validation steps",
     "test/<bench>": "final evaluation of the best checkpoint, one per run", "test/avg": "final evaluation",
 }
-# Names the writers use (driver.py, tracking.py); each is a key of the tables above.
+# Names the writers use (driver.py, tracking/); each is a key of the tables above.
 GPU_HOURS = "cost/gpu_hours"
 TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
 BEST_STEP = "graft.best_step"

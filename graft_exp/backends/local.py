@@ -47,7 +47,7 @@ def load_member_model(key: str, progress: bool):
 
 
 class LocalBackend:
-    """The models of one job as ``LocalPolicy`` objects on one device (``driver.Backend``)."""
+    """The models of one job as ``LocalPolicy`` objects on one device (``contract.Backend``)."""
 
     concurrent = False   # one device: the models take turns
 

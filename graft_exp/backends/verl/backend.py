@@ -1,4 +1,4 @@
-"""The verl backend as the driver's adapter (``graft_exp.driver.Backend``): one ``VerlModel`` per trained
+"""The verl backend as the driver's adapter (``graft_exp.contract.Backend``): one ``VerlModel`` per trained
 model on its own resource pool, rows in verl's ``DataProto`` layout (``batch.py``), the receiver loss
 inside verl's FSDP workers (``loss.py``). The loop, the exchange and the records are the driver's, the
 same code the local backend runs every day.
@@ -76,7 +76,7 @@ def gather_groups(parts: list[tuple[DataProto, list[int]]], n: int) -> DataProto
 
 
 class VerlBackend:
-    """The models of one job on verl (``driver.Backend``)."""
+    """The models of one job on verl (``contract.Backend``)."""
 
     concurrent = True
 
