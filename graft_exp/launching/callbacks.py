@@ -38,7 +38,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import scheduler, tracking
-from graft_exp.config import ConfigError, validate
+from graft_exp.config import ROLES, ConfigError, validate
 from graft_exp.launching import status
 
 log = logging.getLogger("graft_exp.launch")
@@ -138,7 +138,7 @@ def shared_baseline_clashes(jobs: list[PlannedJob], finished_keys: set[str]) -> 
     for job in jobs:
         if job.cfg.method.co_train:
             continue
-        for role in ("A", "B"):
+        for role in ROLES:
             key = tracking.model_run_key(job.cfg, role)
             if key in finished_keys:
                 continue
