@@ -26,6 +26,7 @@ ADVANTAGES = ("source", "pooled")
 PEER_RESPONSES = ("all", "success")
 SOURCES = ("online", "stored")
 BACKENDS = ("local", "verl")
+LOCAL_SAMPLERS = ("static_cache", "loop")   # graft_exp/backends/local_policy.py
 ROLES = ("A", "B")               # the two models of a pair
 PEER_OF = {"A": "B", "B": "A"}
 
@@ -136,6 +137,7 @@ class LocalBackendConfig:
     device: str = "auto"              # auto | cpu | cuda
     progress: bool = True
     threads: int | None = 1        # torch CPU threads (null: torch's default)
+    sampler: str = "static_cache"     # static_cache | loop (one model call per token, the old sampler)
 
 
 @dataclass
@@ -240,6 +242,8 @@ def validate(cfg: DictConfig) -> None:
     _choice(method.advantages, ADVANTAGES, "method.advantages")
     _choice(method.peer_responses, PEER_RESPONSES, "method.peer_responses")
     _choice(cfg.backend.name, BACKENDS, "backend")
+    if cfg.backend.name == "local":
+        _choice(cfg.backend.sampler, LOCAL_SAMPLERS, "backend.sampler")
     exchanges = method.selection != "none" or method.peer_loss != "none"
     if method.co_train != exchanges:
         raise ConfigError(
