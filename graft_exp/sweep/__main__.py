@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import joblib
+
 from graft_exp import tracking
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import SweepError, plan
@@ -63,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
     poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
     try:
-        # An exclusive cluster's multirun takes every core of this machine: one at a time.
-        overlap = bool(cluster and cluster.parallel and not cluster.get("exclusive"))
-        return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll)
+        # An exclusive cluster's multiruns share this machine's cores: together, one worker per core
+        # (joblib's count, the one its launcher uses for n_jobs=-1: affinity and cgroup quota).
+        exclusive = bool(cluster and cluster.get("exclusive"))
+        overlap = bool(cluster and cluster.parallel and not exclusive)
+        cores = joblib.cpu_count() if exclusive else None
+        return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll, cores=cores)
     except tracking.TrackingError as err:
         console.print(f"[red]nothing launched:[/] {err}")
         return 2
