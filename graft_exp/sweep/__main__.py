@@ -20,8 +20,10 @@ model with an earlier job runs after it, so a shared GRPO baseline is trained on
   --dry-run   the job list and how many are finished / running / failed / missing (MLflow only),
               with estimated GPU-hours;
   --status    the same from MLflow and the scheduler, failed jobs with their log;
-  (default)   launch what is not finished and not queued, through ``cluster=...``, in waves that
-              respect ``after``; report failures as they happen; finish with the status table.
+  (default)   launch what is not finished and not queued, through ``cluster=...``, each job once
+              what it needs (``after``) is trained, jobs that others need first; on
+              ``cluster=local`` the next ready job takes a core as soon as one is idle; report
+              failures as they happen; finish with the status table.
 
 Other arguments are Hydra overrides for every job, e.g. ``cluster=slurm tracking=server
 hydra.launcher.partition=gpu``.

@@ -1,4 +1,5 @@
-"""Launching a planned sweep: job config files, one multirun per pair, waves that respect ``after``."""
+"""Launching a planned sweep: job config files, one multirun per pair, jobs started once what they need
+(``after``) is trained."""
 
 from __future__ import annotations
 
