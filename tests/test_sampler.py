@@ -17,7 +17,7 @@ TRAIN = OmegaConf.create({"temperature": 1.0, "grad_clip": 1.0, "lr": 1e-6, "bet
 
 
 @pytest.mark.parametrize("key", list(tiny.RECIPES))
-@pytest.mark.parametrize("n, temperature, top_p", [(8, 1.0, 1.0), (3, 0.6, 0.95)])
+@pytest.mark.parametrize("n, temperature, top_p", [(8, 1.0, 1.0), (3, 0.6, 0.95), (1, 0.6, 0.95)])
 def test_static_cache_samples_what_the_per_token_loop_samples(key, n, temperature, top_p):
     model, tokenizer = tiny.load(key, progress=False)
     # Prompts of different lengths, so left padding and per-row positions are exercised.
