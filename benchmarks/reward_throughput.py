@@ -2,10 +2,12 @@
 
     python benchmarks/reward_throughput.py [--prompts 128] [--n 8] [--repeats 2] [--workers N]
 
-The batch is a training step's worth (128 prompts x 8 responses) of MATH-style responses built from the
-realistic cases of tests/data/reward_cases.yaml (every benchmark's gold format, right and wrong
-answers), each behind ~1,500 characters of reasoning (see ``step_batch``). Every pair is distinct and
-sent to the pool as it is, so every response is verified. Measured, in one run:
+The batch is a training step's worth (128 prompts x 8 responses) of real model-written solutions:
+solutions sampled from a Qwen2.5-Math-Instruct model for 100 MATH test problems (tests/data/math_labelled_solutions.jsonl.gz),
+those of 1,000 to 2,000 characters, each with its own problem's gold; a group whose problem has too few
+such solutions is filled up by the solutions of the next problems (wrong answers against this gold).
+Every pair is distinct and sent to the pool as it is, so every response is verified (its final box is
+taken out first, in microseconds). Measured, in one run:
 
 - pool start-up: the first call of a fresh pool (interpreters, math-verify import, warm-up);
 - the batch in the calling thread (``verify_answer`` per response: no timeout, each gold parsed for
@@ -18,33 +20,32 @@ sent to the pool as it is, so every response is verified. Measured, in one run:
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import logging
 import os
 import time
 from pathlib import Path
 
-import yaml
-
 from graft_exp.prepare import SOURCES, gold_answer
 from graft_exp.reward import WARM_UP, RewardPool, default_workers, last_boxed, verify_answer
 
-CASES = Path(__file__).resolve().parents[1] / "tests" / "data" / "reward_cases.yaml"
-REASONING = ("Let me set up the problem carefully. We write the given condition as an equation, "
-             "simplify both sides and check the edge cases one at a time before combining them. ") * 9
+SOLUTIONS = Path(__file__).resolve().parents[1] / "tests" / "data" / "math_labelled_solutions.jsonl.gz"
 
 
 def step_batch(prompts: int, n: int) -> list[tuple[str, str]]:
-    """A step's (boxed answer, gold) pairs: ``prompts`` groups of ``n``, one gold per group, as the
-    trainer sends them. Group q takes case q's gold (cycling) and the answers of cases q .. q+n-1:
-    its own (right or wrong as the case says) and n-1 others (mostly wrong), every pair distinct."""
-    answers, golds = [], []
-    for case in yaml.safe_load(CASES.read_text()):
-        answer = last_boxed(REASONING + case["response"])
-        if answer and answer.strip():
-            source = SOURCES[case["source"]]
-            answers.append(answer)
-            golds.append(gold_answer({source.answer: case["gold"]}, source))
-    return [(answers[(q + k) % len(answers)], golds[q % len(golds)]) for q in range(prompts) for k in range(n)]
+    """A step's (final boxed answer, gold) pairs of ``prompts`` groups of ``n`` solutions of 1-2k
+    characters, one gold per group, as the trainer sends them to the pool; every pair distinct."""
+    with gzip.open(SOLUTIONS, "rt") as lines:
+        problems = [json.loads(line) for line in lines]
+    source = SOURCES["math500"]
+    solutions = [(last_boxed(response), gold_answer({source.answer: p["answer"]}, source)) for p in problems
+                 for response in p["responses"] if 1000 <= len(response) <= 2000 and last_boxed(response)]
+    pairs = []
+    for q in range(prompts):
+        gold = solutions[(q * n) % len(solutions)][1]
+        pairs += [(solutions[(q * n + k) % len(solutions)][0], gold) for k in range(n)]
+    return pairs
 
 
 def timed(fn) -> float:

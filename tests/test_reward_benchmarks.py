@@ -8,9 +8,9 @@ says where each file comes from).
 - Pairs of *different* golds of the same benchmark (a seeded sample) score 0, but for the pairs listed
   in ``EQUIVALENT_GOLDS`` (two golds that are the same answer); each numeric Minerva gold against the
   same number x10, x0.1, x2 and x0.5 scores 0.
-- 800 solutions written by Qwen2.5-Math-7B-Instruct to 100 MATH test problems, each labelled correct or
-  not by the Qwen2.5-Math evaluation: the reward agrees with every label but those of
-  ``LABEL_DISAGREEMENTS``, each inspected and classified there.
+- 800 solutions sampled from a Qwen2.5-Math-Instruct model (8 per problem) for 100 MATH test problems, each labelled correct or
+  not by the Qwen2.5-Math evaluation (an automatic grader): the reward agrees with every label but those
+  of ``LABEL_DISAGREEMENTS``, each inspected: in every one the label is wrong and the reward right.
 
 All pairs of a test go through one worker pool in one batch. Run with ``-s`` to see the figures.
 """
@@ -32,14 +32,19 @@ from graft_exp.reward import RewardPool, rewards
 DATA = Path(__file__).parent / "data"
 RAW_GOLDS = json.loads((DATA / "benchmark_golds.json").read_text())
 FIELD = {"math": "solution"}  # the training split's gold field is the worked solution (its last box kept)
-PAIR_SAMPLE = {"math500": 1500, "aime2024": 300, "aime2025": 300, "amc23": 400, "minerva": 1200, "math": 1500}
+PAIR_SAMPLE = {"math500": 1200, "aime2024": 200, "aime2025": 200, "amc23": 300, "minerva": 500, "math": 1200}
 _PLAIN_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 #: Different gold strings of one benchmark that are the same answer: scoring 1 between them is right.
 EQUIVALENT_GOLDS: set[frozenset[str]] = set()
 
 #: (problem idx, solution k) -> why the reward and the evaluation's label differ, and who is right.
-LABEL_DISAGREEMENTS: dict[tuple[int, int], str] = {}
+_TIME_LABEL = ("label wrong: the box is `4:30 \\text{ p.m.}`, the gold `\\text{4:30 p.m.}`; the evaluation "
+               "mangled the gold to `4:30p..` and the answer to `4:30`")
+LABEL_DISAGREEMENTS: dict[tuple[int, int], str] = {
+    **{(3, k): _TIME_LABEL for k in range(8)},
+    (72, 7): "label wrong: the box is `10000`, the gold `10{,}000`; the evaluation failed on the braced comma",
+}
 
 
 def golds(benchmark: str) -> list[str]:
