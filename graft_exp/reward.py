@@ -18,7 +18,7 @@ What is verified (DESIGN.md "Rewards — traps measured here"):
   brace, so the unit is dropped as ``\\text{unit}`` is.
 - Numbers are compared by relative difference (``REL_TOL``), not by math-verify's rounding to six
   decimals, which makes every number below ~5e-7 equal (Minerva's ``2.88e-19`` and ``1.325e-27``). When
-  both sides are plain numbers and the gold is a measured quantity (written with a decimal point or in
+  both sides are numbers (no variable) and the gold is a measured quantity (written with a decimal point or in
   e-notation), relative closeness decides; when the gold is exact (``\\frac{1}{3}``, ``\\pi/4``) a decimal
   answer must be relatively close *and* pass math-verify's own comparison.
 - A symbol keeps one meaning on both sides: math-verify makes symbols complex or real per string (a
@@ -143,8 +143,9 @@ def _parse(text: str) -> list:
 
 
 def _numbers_verdict(gold, answer, measured: bool) -> bool | None:
-    """The verdict of the relative comparison when both sides are real numbers and one is written as
-    a decimal, else None (math-verify decides). ``measured``: the gold is a decimal or e-notation."""
+    """The verdict of the relative comparison when both sides are real numbers (no variable: ``1.6``,
+    ``2.88 \\cdot 10^{-19}``, ``\\arcsin(10/13)``) and the gold or the answer holds a decimal, else None
+    (math-verify decides). ``measured``: the gold is written as a decimal or in e-notation."""
     from sympy import Basic, Float
 
     if not (isinstance(gold, Basic) and isinstance(answer, Basic) and gold.is_number and answer.is_number):
@@ -248,9 +249,11 @@ class _Worker:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                                           os.environ.get("PYTHONPATH")]))}
+        # `python -c` puts its working directory first on sys.path: started in the package root, a worker
+        # imports this graft_exp, not another checkout's that the caller's directory happens to hold.
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from graft_exp.reward import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=False)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_PACKAGE_ROOT, text=False)
         self.fd = self.process.stdout.fileno()
         self.buffer = b""
         self.ready = False
