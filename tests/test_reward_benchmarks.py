@@ -12,6 +12,9 @@ says where each file comes from).
   not by the Qwen2.5-Math evaluation (an automatic grader): the reward agrees with every label but those
   of ``LABEL_DISAGREEMENTS``, each inspected: in every one the label is wrong and the reward right.
 
+- ``prepare`` rewrites exactly the six Python-spelled Minerva golds (``PYTHON_GOLDS``: before, after, and a
+  LaTeX answer that now scores 1) and no other gold.
+
 All pairs of a test go through one worker pool in one batch. Run with ``-s`` to see the figures.
 """
 
@@ -26,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from graft_exp.prepare import SOURCES, gold_answer, verl_rows
-from graft_exp.reward import RewardPool, rewards
+from graft_exp.prepare import SOURCES, gold_answer, latex_gold, verl_rows
+from graft_exp.reward import RewardPool, last_boxed, rewards
 
 DATA = Path(__file__).parent / "data"
 RAW_GOLDS = json.loads((DATA / "benchmark_golds.json").read_text())
@@ -160,3 +163,29 @@ def test_agreement_with_labelled_model_solutions(pool):
     for key, (label, score) in sorted(disagreements.items()):
         print(f"  {key}: label {label}, reward {score}: {LABEL_DISAGREEMENTS.get(key, 'UNCLASSIFIED')}")
     assert set(disagreements) == set(LABEL_DISAGREEMENTS)
+
+
+#: Every gold prepare rewrites (Minerva's Python spellings; no MATH-500 or MATH training gold changes),
+#: with an answer a model writes for it in LaTeX.
+PYTHON_GOLDS = {
+    5: ("np.arcsin(10/13)", "\\arcsin(10/13)", "\\sin^{-1}\\left(\\frac{10}{13}\\right)"),
+    38: ("-1./3", "-\\frac{1}{3}", "-\\dfrac{1}{3}"),
+    49: ("-3./2", "-\\frac{3}{2}", "-1.5"),
+    71: ("\\frac{1}{2a}(\\exp{a*t} - \\exp{-a*t})", "\\frac{1}{2a}(e^{a \\cdot t} - e^{-a \\cdot t})",
+         "\\frac{e^{at}-e^{-at}}{2a}"),
+    72: ("x_{0} \\cos (\\omega t)+$ $\\dot{x}_{0} \\sin (\\omega t) / \\omega",
+         "x_{0} \\cos (\\omega t)+ \\dot{x}_{0} \\sin (\\omega t) / \\omega",
+         "x_0\\cos(\\omega t)+\\frac{\\dot{x}_0}{\\omega}\\sin(\\omega t)"),
+    95: ("\\frac{1}{2}(\\exp{a*t} + \\exp{-a*t})", "\\frac{1}{2}(e^{a \\cdot t} + e^{-a \\cdot t})", "\\cosh(at)"),
+}
+
+
+def test_prepare_rewrites_exactly_the_python_golds(pool):
+    changed = {(benchmark, index): (raw, gold) for benchmark in ("math500", "minerva")
+               for index, (raw, gold) in enumerate(zip(RAW_GOLDS[benchmark], golds(benchmark))) if raw.strip() != gold}
+    assert changed == {("minerva", i): (raw, gold) for i, (raw, gold, _) in PYTHON_GOLDS.items()}
+    training = [box for box in map(last_boxed, RAW_GOLDS["math"]) if box]
+    assert [latex_gold(box) for box in training] == [box.strip() for box in training]
+    answers = [answer for *_, answer in PYTHON_GOLDS.values()]
+    assert rewards([boxed(a) for a in answers], [gold for _, gold, _ in PYTHON_GOLDS.values()], pool=pool) == \
+        [1.0] * len(answers)
