@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -155,3 +156,61 @@ def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp
     assert placement["free"].get("GPU", 0) == 0
     # Ray actors get verl's PPO runtime environment and the job's token for its socket names.
     assert placement["actor_env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1" and placement["actor_env"]["GRAFT_JOB_TOKEN"]
+
+
+def foreign_home(root: Path) -> tuple[Path, str]:
+    """A home whose ``~/.ray/auth_token`` holds someone else's token (what a local ``ray.init`` leaves)."""
+    home, token = root / "foreign-home", "f" * 64
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(token)
+    return home, token
+
+
+def ray_client(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A process that joins the Ray cluster at ``address`` and runs one task there."""
+    code = (f"import ray; ray.init(address={address!r}, log_to_driver=False); "
+            "print('RAN', ray.get(ray.remote(lambda: 6 * 7).remote()))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          env={**env, "PATH": os.environ["PATH"]})
+
+
+@pytest.mark.slow
+def test_a_jobs_ray_admits_only_its_own_token(tmp_path):
+    """A one-node job's private Ray (``start_local_ray``) started by a caller whose home and environment
+    carry a foreign token and ``RAY_AUTH_MODE=disabled``: the cluster uses the job's own token, 0600 in
+    the job's directory; a process without it (no token, or the caller's) is refused, one with it runs a
+    task; the caller's ``~/.ray`` is left as it was."""
+    home, foreign = foreign_home(tmp_path)
+    job_dir, temp = tmp_path / "run", tempfile.mkdtemp(prefix="graft-ray-", dir="/tmp")
+    caller = {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": foreign,
+              "OMP_NUM_THREADS": "1", "PATH": os.environ["PATH"]}
+    job_code = ("import sys, ray\n"
+                "from graft_exp.backends.verl.ray_slurm import start_local_ray\n"
+                f"start_local_ray(0, job_dir={str(job_dir)!r}, init_kwargs={{'_temp_dir': {temp!r}, 'num_cpus': 1}})\n"
+                "print('ADDRESS', ray.get_runtime_context().gcs_address, flush=True)\n"
+                "sys.stdin.read()\n")
+    job = subprocess.Popen([sys.executable, "-c", job_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=caller)
+    try:
+        line = job.stdout.readline()
+        assert line.startswith("ADDRESS "), job.stderr.read() if job.poll() is not None else line
+        address = line.split()[1]
+        token_file = job_dir / "ray_auth_token"
+        assert token_file.stat().st_mode & 0o777 == 0o600 and len(token_file.read_text()) == 64
+        assert token_file.read_text() != foreign
+
+        no_token = ray_client(address, {"HOME": str(tmp_path / "empty-home")})
+        callers_token = ray_client(address, caller | {"RAY_AUTH_MODE": "token"})
+        for refused in (no_token, callers_token):
+            assert refused.returncode != 0 and "RAN" not in refused.stdout
+            assert "AuthenticationError" in refused.stderr or "Authentication" in refused.stderr, refused.stderr[-2000:]
+        admitted = ray_client(address, {"HOME": str(tmp_path / "empty-home"), "RAY_AUTH_MODE": "token",
+                                        "RAY_AUTH_TOKEN_PATH": str(token_file)})
+        assert admitted.returncode == 0 and "RAN 42" in admitted.stdout, admitted.stderr[-2000:]
+    finally:
+        job.communicate(input="", timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
+    assert (home / ".ray" / "auth_token").read_text() == foreign
+    assert not (tmp_path / "empty-home" / ".ray").exists()

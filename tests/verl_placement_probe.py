@@ -28,7 +28,7 @@ with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / 
 models = [VerlModel(role, verl_config(cfg, role, str(Path(cfg.checkpoint_root) / role)),
                     LossSpec.from_method(cfg.method)) for role in ("A", "B")]
 # As backends/verl/backend.create starts it: verl's runtime environment and this job's token on every actor.
-start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
+start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=cfg.checkpoint_root, address=cfg.backend.ray_address,
                 init_kwargs=ray_init_kwargs(models[0].config))
 
 
