@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from graft_exp.extras import MissingExtra, require
 from graft_exp.prompts import format_prompt
 from graft_exp.reward import last_boxed
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-models", action="store_true", help="fetch data only")
     args = parser.parse_args(argv)
     try:
+        require("prepare")
         for key in [s for s in args.sets.split(",") if s]:
             if key not in SOURCES:
                 raise PrepareError(f"unknown data set {key!r}; choose from {', '.join(SOURCES)}")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 if key not in known:
                     raise PrepareError(f"unknown hub model {key!r}; choose from {', '.join(known)}")
                 print(f"{key}: {fetch_model(known[key], args.model_dir / key)}")
-    except PrepareError as err:
+    except (PrepareError, MissingExtra) as err:
         print(f"prepare: {err}", file=sys.stderr)
         return 2
     return 0

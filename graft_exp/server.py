@@ -40,6 +40,8 @@ from pathlib import Path
 
 import requests
 
+from graft_exp.extras import MissingExtra, require
+
 ADMIN = "admin"
 DB_USER = "mlflow"
 DATABASES = ("mlflow", "mlflow_auth")   # runs; the auth app's users and permissions
@@ -504,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layout = Layout(args.dir.resolve())
     try:
+        if args.command in ("start", "add-user"):   # both talk to PostgreSQL
+            require("server")
         if args.command == "start":
             for flag, value in (("--port", args.port), ("--pg-port", args.pg_port)):
                 if not 0 < value < 65536:
@@ -522,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             path = add_user(layout, args.name, args.read_only)
             print(f"user {args.name} ({'read-only' if args.read_only else 'writes every experiment'}): "
                   f"credentials in {path} (0600). For jobs: install -D -m 600 {path} ~/.mlflow/credentials")
-    except ServerError as err:
+    except (ServerError, MissingExtra) as err:
         print(f"graft_exp.server: {err}", file=sys.stderr)
         return 2
     return 0

@@ -102,18 +102,25 @@ def test_emitted_commands_for_an_allocation(slurm, tmp_path):
 
 @pytest.mark.service
 @pytest.mark.slow
-def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp_path, record_property):
+def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp_path, record_property,
+                                                                 monkeypatch):
     """``sbatch_script(nodes=2, ...)`` on two Slurm nodes that are separate network hosts: the Ray head on node
     1, the worker on node 2, each with the CPUs and GPUs Slurm gave it; then, in place of the training job
     (same overrides), tests/verl_placement_probe.py runs the verl backend up to its first GPU need: both
-    models' resource pools are placed, across both nodes, on every GPU of the allocation."""
+    models' resource pools are placed, across both nodes, on every GPU of the allocation. Submitted by a
+    user whose home holds another cluster's token and whose environment disables Ray's authentication:
+    head, worker and driver use the job's own token, and that home is left as it was."""
+    home, foreign = foreign_home(tmp_path)
+    for key, value in {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": foreign}.items():
+        monkeypatch.setenv(key, value)
     if not own_slurm.multi_host:
         pytest.skip("two Slurm nodes as separate hosts need network namespaces (ip netns), unavailable here")
     gpus, cpus = 2, 6      # per node; verl's bundles ask Ray for 3 CPUs per GPU
     overrides = ["pair=pair1", "method=graft", "backend.gpus_per_model=1", "backend.rollout_tp=1",
                  f"checkpoint_root={tmp_path / 'checkpoints'}"]
     script = sbatch_script(2, gpus, cpus, overrides, time="00:15:00",
-                           setup=[f"export PATH={Path(sys.executable).parent}:$PATH"]).splitlines()
+                           setup=[f"export PATH={Path(sys.executable).parent}:$PATH"],
+                           jobs_dir=str(tmp_path / "jobs")).splitlines()
     train = script[-2]
     assert train.startswith("python -m graft_exp ") and " backend.nnodes=2 pair.gpus=2 " in train
     script[-2] = train.replace("python -m graft_exp", f"python {PROBE}", 1)
@@ -156,6 +163,13 @@ def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp
     assert placement["free"].get("GPU", 0) == 0
     # Ray actors get verl's PPO runtime environment and the job's token for its socket names.
     assert placement["actor_env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1" and placement["actor_env"]["GRAFT_JOB_TOKEN"]
+    # Ray's authentication: the job's own token (0600 in its directory), never the caller's.
+    token_file = tmp_path / "jobs" / job / "ray_auth_token"
+    assert placement["driver_auth"] == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
+                                        "RAY_AUTH_TOKEN": None}
+    assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.read_text() != foreign
+    assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
+    assert (home / ".ray" / "auth_token").read_text() == foreign
 
 
 def foreign_home(root: Path) -> tuple[Path, str]:

@@ -44,5 +44,6 @@ for name, pool in resource_pools(models).resource_pool_dict.items():
 nodes = {n["NodeID"]: {"ip": n["NodeManagerAddress"], "CPU": n["Resources"].get("CPU", 0),
                        "GPU": n["Resources"].get("GPU", 0), "head": "node:__internal_head__" in n["Resources"]}
          for n in ray.nodes() if n["Alive"]}
+auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
 print("PLACEMENT " + json.dumps({"nodes": nodes, "pools": placed, "free": ray.available_resources(),
-                                 "actor_env": ray.get(actor_env.remote())}), flush=True)
+                                 "actor_env": ray.get(actor_env.remote()), "driver_auth": auth}), flush=True)
