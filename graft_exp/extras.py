@@ -10,9 +10,9 @@ import importlib.util
 
 #: feature -> (pip extra, the modules it imports)
 FEATURES = {
-    "prepare": ("prepare", ("datasets", "huggingface_hub")),
+    "python -m graft_exp.prepare": ("prepare", ("datasets", "huggingface_hub")),
     "backend=verl": ("verl", ("verl", "ray", "vllm")),
-    "server": ("server", ("psycopg2",)),
+    "python -m graft_exp.server": ("server", ("psycopg2",)),
 }
 
 

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-models", action="store_true", help="fetch data only")
     args = parser.parse_args(argv)
     try:
-        require("prepare")
+        require("python -m graft_exp.prepare")
         for key in [s for s in args.sets.split(",") if s]:
             if key not in SOURCES:
                 raise PrepareError(f"unknown data set {key!r}; choose from {', '.join(SOURCES)}")
@@ -177,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                 if key not in known:
                     raise PrepareError(f"unknown hub model {key!r}; choose from {', '.join(known)}")
                 print(f"{key}: {fetch_model(known[key], args.model_dir / key)}")
-    except (PrepareError, MissingExtra) as err:
+    except PrepareError as err:
         print(f"prepare: {err}", file=sys.stderr)
+        return 2
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
         return 2
     return 0
 

@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout(args.dir.resolve())
     try:
         if args.command in ("start", "add-user"):   # both talk to PostgreSQL
-            require("server")
+            require("python -m graft_exp.server")
         if args.command == "start":
             for flag, value in (("--port", args.port), ("--pg-port", args.pg_port)):
                 if not 0 < value < 65536:
@@ -526,8 +526,11 @@ def main(argv: list[str] | None = None) -> int:
             path = add_user(layout, args.name, args.read_only)
             print(f"user {args.name} ({'read-only' if args.read_only else 'writes every experiment'}): "
                   f"credentials in {path} (0600). For jobs: install -D -m 600 {path} ~/.mlflow/credentials")
-    except (ServerError, MissingExtra) as err:
+    except ServerError as err:
         print(f"graft_exp.server: {err}", file=sys.stderr)
+        return 2
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
         return 2
     return 0
 

@@ -45,8 +45,8 @@ def test_the_blocker_hides_what_it_names(tmp_path):
 
 
 @pytest.mark.parametrize(("feature", "args", "created"), [
-    ("prepare", ["-m", "graft_exp.prepare", "--data-dir", "data", "--model-dir", "models"], ["data", "models"]),
-    ("server", ["-m", "graft_exp.server", "start", "--dir", "srv", "--host", "127.0.0.1"], ["srv"]),
+    ("python -m graft_exp.prepare", ["-m", "graft_exp.prepare", "--data-dir", "data", "--model-dir", "models"], ["data", "models"]),
+    ("python -m graft_exp.server", ["-m", "graft_exp.server", "start", "--dir", "srv", "--host", "127.0.0.1"], ["srv"]),
     ("backend=verl", ["-m", "graft_exp", "backend=verl", "pair=pair1", "tracking=sqlite",
                       "checkpoint_root=ckpt"], ["ckpt", "mlruns.db"]),
 ])
