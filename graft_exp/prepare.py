@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from graft_exp.extras import MissingExtra, require
 from graft_exp.prompts import format_prompt
 from graft_exp.reward import last_boxed
 
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-models", action="store_true", help="fetch data only")
     args = parser.parse_args(argv)
     try:
+        require("python -m graft_exp.prepare")
         for key in [s for s in args.sets.split(",") if s]:
             if key not in SOURCES:
                 raise PrepareError(f"unknown data set {key!r}; choose from {', '.join(SOURCES)}")
@@ -223,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key}: {fetch_model(known[key], args.model_dir / key)}")
     except PrepareError as err:
         print(f"prepare: {err}", file=sys.stderr)
+        return 2
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
         return 2
     return 0
 
