@@ -1,8 +1,8 @@
 """Token-by-token decoding of the tiny pair's transformers models over a preallocated KV cache.
 
-A ``model(...)`` call per generated token costs the tiny models ~20 ms of framework work (mask
-building, cache bookkeeping, output objects, and a ``torch.cat`` that grows every layer's cache) for
-well under 1 ms of arithmetic. ``StaticCacheDecoder`` runs the same layers, with the model's own
+A ``model(...)`` call per generated token spends much of its time, at the tiny models' size, on
+framework work (mask building, cache bookkeeping, output objects, a ``torch.cat`` that grows every
+layer's cache, the prompt's keys and values repeated for each of its n samples) rather than arithmetic. ``StaticCacheDecoder`` runs the same layers, with the model's own
 modules and weights (so a trained model decodes as trained), over key/value buffers allocated once
 per batch: one slot written per step, attention over the filled prefix. The prompt is still encoded
 once by the model's own forward; its cache is copied into the buffers, repeated for the n samples.
