@@ -2,10 +2,11 @@
 
 A ``model(...)`` call per generated token spends much of its time, at the tiny models' size, on
 framework work (mask building, cache bookkeeping, output objects, a ``torch.cat`` that grows every
-layer's cache, the prompt's keys and values repeated for each of its n samples) rather than arithmetic. ``StaticCacheDecoder`` runs the same layers, with the model's own
-modules and weights (so a trained model decodes as trained), over key/value buffers allocated once
-per batch: one slot written per step, attention over the filled prefix. The prompt is still encoded
-once by the model's own forward; its cache is copied into the buffers, repeated for the n samples.
+layer's cache, the prompt's keys and values repeated for each of its n samples) rather than on
+arithmetic. ``StaticCacheDecoder`` runs the same layers, with the model's own modules and weights (so
+a trained model decodes as trained), over key/value buffers allocated once per batch: one slot
+written per step. The prompt is still encoded once by the model's own forward; its keys and values
+are kept once per prompt and attended to by its n samples together.
 
 Supported: ``LlamaForCausalLM`` and ``GPT2LMHeadModel``, the two architectures of the tiny pair.
 """
