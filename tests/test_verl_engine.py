@@ -14,15 +14,15 @@ import shutil
 import pytest
 import ray
 import torch
+from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
-from verl_cpu import WORKER_ENV
+from verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV
 
-from conftest import CONF_DIR
 from graft_exp.backends.verl.config import ray_init_kwargs, verl_config
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import GraftActorWorker, VerlModel, resource_pools
@@ -33,7 +33,7 @@ STRATEGIES = {"A": "fsdp", "B": "fsdp2"}   # one worker group each, on its own p
 MODEL = "tiny-char-llama"
 
 
-def engine_config(prepared, root, role: str):
+def engine_config(prepared, root, role: str):  # noqa: F811
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
@@ -59,6 +59,8 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     configs = {role: engine_config(prepared, root, role) for role in STRATEGIES}
     kwargs = ray_init_kwargs(configs["A"][1])
     kwargs["runtime_env"]["env_vars"].update(WORKER_ENV)
+    (root / "rollout").mkdir()
+    kwargs["runtime_env"]["env_vars"][ROLLOUT_DIR_ENV] = str(root / "rollout")
     kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
     start_local_ray(num_gpus=4, init_kwargs=kwargs)
     try:
@@ -97,9 +99,13 @@ def rollouts(tokenizer, prompts: list[str], responses: list[list[str]]) -> DataP
                                 "response_mask": response_mask})
 
 
-def plain_log_probs(path: str, batch: DataProto) -> torch.Tensor:
-    """The responses' token log-probs under a plain Hugging Face forward of the model at ``path``."""
+def plain_log_probs(path: str, batch: DataProto, weights: dict | None = None) -> torch.Tensor:
+    """The responses' token log-probs under a plain Hugging Face forward of the model at ``path`` (with
+    ``weights`` instead of its own, if given)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)   # tied embeddings
     with torch.no_grad():
         logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
                        position_ids=batch.batch["position_ids"]).logits.float()
@@ -138,6 +144,15 @@ def test_engine_workers_score_train_save_and_load(engines, role):
     assert {f"optim_world_size_2_rank_{r}.pt" for r in (0, 1)} <= files
     exported = str(step_root / "global_step_1" / "huggingface")
     assert torch.allclose(plain_log_probs(exported, batch), trained, atol=1e-4)  # its Hugging Face export
+
+    # verl's colocated weight sync (update_weights, the naive backend CheckpointEngineManager drives) hands
+    # the trained weights to the worker-side rollout: a model with them scores as the trainer does.
+    received = root / "rollout" / "weights.pt"
+    received.unlink(missing_ok=True)
+    ray.get(model.wg.update_weights(global_steps=1))
+    synced = plain_log_probs(model.config.actor_rollout_ref.model.path, batch, torch.load(received))
+    assert torch.allclose(synced, trained, atol=1e-4)
+    assert not torch.allclose(synced, before, atol=1e-3)    # what a sync that sent nothing would leave
 
     model.update_grpo(full, -advantages)                                           # trained on past the save
     assert not torch.equal(model.log_probs(batch) * batch.batch["response_mask"], trained)

@@ -17,6 +17,9 @@ from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
 #: The environment a Ray worker needs for this module to load and apply (``runtime_env["env_vars"]``).
+#: Where the stand-in rollout writes the weights it received (``WeightsRollout.update_weights``).
+ROLLOUT_DIR_ENV = "VERL_CPU_ROLLOUT_DIR"
+
 #: The test directory (this module) and the project root (the worker classes) come first on the path.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "verl_cpu", "VERL_PLATFORM": "cpu",
@@ -197,5 +200,10 @@ class WeightsRollout:
         return None
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
-        for name, tensor in weights:
-            self.weights[name] = tensor.detach().clone()
+        """Keep the weights; rank 0 also writes them to ``$VERL_CPU_ROLLOUT_DIR/weights.pt`` (where the test
+        process reads what the rollout would generate with)."""
+        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
+        directory = os.environ.get(ROLLOUT_DIR_ENV)
+        if directory and torch.distributed.get_rank() == 0:
+            torch.save(self.weights, os.path.join(directory, "weights.pt.tmp"))
+            os.replace(os.path.join(directory, "weights.pt.tmp"), os.path.join(directory, "weights.pt"))
