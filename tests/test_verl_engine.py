@@ -9,6 +9,7 @@ for vLLM's, are ``verl_cpu``'s.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -62,7 +63,8 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     (root / "rollout").mkdir()
     kwargs["runtime_env"]["env_vars"][ROLLOUT_DIR_ENV] = str(root / "rollout")
     kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
-    start_local_ray(num_gpus=4, init_kwargs=kwargs)
+    auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+    start_local_ray(num_gpus=4, job_dir=root, init_kwargs=kwargs)   # sets this process's Ray token variables
     try:
         models = [VerlModel(role, config, LossSpec.from_method(cfg.method)) for role, (cfg, config) in configs.items()]
         pools = resource_pools(models)
@@ -78,6 +80,11 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     finally:
         ray.shutdown()
         shutil.rmtree(kwargs["_temp_dir"], ignore_errors=True)
+        for key, value in auth.items():   # the tests after these start Ray with their own tokens
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def rollouts(tokenizer, prompts: list[str], responses: list[list[str]]) -> DataProto:
