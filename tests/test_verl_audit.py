@@ -4,13 +4,15 @@ workers, and vLLM's sampling seed. On the tiny pair, through the stand-ins of ``
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_verl_contract import BENCH_PROBLEMS, prepared, standin_backend, verl_cfg  # noqa: F401 (fixture)
 from verl.utils import hf_tokenizer
 
-from graft_exp.backends.verl.backend import VerlBackend
+from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
 from graft_exp.backends.verl.config import data_files, model_path
 from graft_exp.driver import derive_seed
+from graft_exp.tiny.models import ASSETS
 from graft_exp.tiny.task import SKILLS
 
 torch.set_num_threads(1)
@@ -95,3 +97,11 @@ def test_a_resume_pairs_the_best_record_with_its_weights(compose_cfg, prepared, 
             param.to_local().add_(1.0)       # trained on after the resume; the final evaluation restores best
     resumed.restore_best("A")
     assert torch.equal(first_weight(resumed, "A"), at_step_1)
+
+
+def test_a_model_verl_would_load_without_its_lm_head_is_refused():
+    """verl picks the class by "ForCausalLM" in the architecture's name: GPT-2 would be a bare AutoModel."""
+    check_verl_loadable(str(ASSETS / "tiny-char-llama"))
+    with pytest.raises(ValueError, match=r"tiny-bpe-gpt2 cannot train on backend=verl: its architecture "
+                                         r"GPT2LMHeadModel is not a \*ForCausalLM.*no num_key_value_heads"):
+        check_verl_loadable(str(ASSETS / "tiny-bpe-gpt2"))

@@ -71,6 +71,27 @@ def check_prompt_lengths(dataset: RLHFDataset, tokenizer, max_length: int, model
                              "the front. Raise train.max_prompt_length")
 
 
+def check_verl_loadable(path: str) -> None:
+    """verl 0.9.1 loads a model it can train: it picks the model class by the substring "ForCausalLM" of
+    the config's architecture (``utils/model.get_hf_auto_model_class``: anything else, GPT-2's
+    ``GPT2LMHeadModel`` included, is loaded as a bare ``AutoModel``, without its LM head) and its FSDP
+    patches read ``num_key_value_heads`` (``models/transformers/monkey_patch.apply_monkey_patch``).
+    Raises naming the model and what it lacks."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    architecture = (config.architectures or ["<none>"])[0]
+    problems = []
+    if "ForCausalLM" not in architecture:
+        problems.append(f"its architecture {architecture} is not a *ForCausalLM (verl would load it without its "
+                        "LM head)")
+    if getattr(config.get_text_config(), "num_key_value_heads", None) is None:
+        problems.append("its config has no num_key_value_heads (verl's FSDP patches read it)")
+    if problems:
+        raise ValueError(f"model {path} cannot train on backend=verl: {'; '.join(problems)}. Pick a *ForCausalLM "
+                         "model (the paper's SmolLM3, Qwen3 and OctoThinker are), or backend=local")
+
+
 def gather_groups(parts: list[tuple[DataProto, list[int]]], n: int) -> DataProto:
     """The rows of the chosen prompt groups of several rollout batches (prompt-major, ``n`` per prompt), in
     order: DAPO's refilled batch in verl's layout."""
@@ -247,6 +268,8 @@ def create(cfg: DictConfig, roles: list[str]) -> VerlBackend:
     from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
     from graft_exp.backends.verl.ray_slurm import start_local_ray
 
+    for role in roles:
+        check_verl_loadable(model_path(cfg, role))
     backend = VerlBackend(cfg, roles)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
