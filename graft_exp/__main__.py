@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from graft_exp import driver, tracking
 from graft_exp.backends import backend_factory
 from graft_exp.config import ConfigError, register_schemas, validate
+from graft_exp.extras import MissingExtra, require
 
 log = logging.getLogger("graft_exp")
 register_schemas()
@@ -36,6 +37,12 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         # A bad override stops the whole sweep before any training, with one clear line.
         log.error("invalid configuration: %s", err)
+        raise SystemExit(2) from err
+    try:
+        if cfg.backend.name == "verl":
+            require("backend=verl")
+    except MissingExtra as err:
+        log.error("%s", err)
         raise SystemExit(2) from err
     try:
         job = tracking.open_job(cfg)

@@ -2,7 +2,7 @@
 
 The root schema (``config_schema``, first in ``conf/config.yaml``'s defaults) types the top-level
 keys, so ``seed=abc`` or ``rerun=maybe`` fails at composition, before any run exists. The method
-schema is registered as ``method/schema``; every ``conf/method/*.yaml`` extends it (directly or
+schema is registered as ``method_schema``; every ``conf/method/*.yaml`` extends it (directly or
 through ``graft``), so a misspelt key in a method file or on the command line fails at
 composition. ``validate`` then checks the values and the combination (pair x method x backend)
 and raises ``ConfigError`` naming the fix.
@@ -20,6 +20,7 @@ from omegaconf.errors import InterpolationResolutionError
 from graft_exp import methods
 
 BACKENDS = ("local", "verl")
+LOCAL_SAMPLERS = ("static_cache", "loop")   # graft_exp/backends/local_policy.py
 ROLES = ("A", "B")               # the two models of a pair
 PEER_OF = {"A": "B", "B": "A"}
 
@@ -132,6 +133,7 @@ class LocalBackendConfig:
     device: str = "auto"              # auto | cpu | cuda
     progress: bool = True
     threads: int | None = 1        # torch CPU threads (null: torch's default)
+    sampler: str = "static_cache"     # static_cache | loop (one model call per token, the old sampler)
 
 
 @dataclass
@@ -158,7 +160,7 @@ class VerlBackendConfig:
 @dataclass
 class RootConfig:
     """The top-level keys of ``conf/config.yaml``: scalars typed here, groups by their schemas (pair,
-    train, eval here; method and backend by their group's ``schema`` / ``<name>_schema`` entries)."""
+    train, eval here; method and backend by ``method_schema`` / ``backend_<name>_schema``)."""
 
     seed: int = MISSING
     study: str = MISSING
@@ -177,9 +179,11 @@ class RootConfig:
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="config_schema", node=RootConfig)
-    store.store(group="method", name="schema", node=MethodConfig)
-    store.store(group="backend", name="local_schema", node=LocalBackendConfig)
-    store.store(group="backend", name="verl_schema", node=VerlBackendConfig)
+    # Outside the groups they type (conf files extend them as `/method_schema`, ...), so that neither
+    # --help nor tab completion offers them as a method or a backend.
+    store.store(name="method_schema", node=MethodConfig)
+    store.store(name="backend_local_schema", node=LocalBackendConfig)
+    store.store(name="backend_verl_schema", node=VerlBackendConfig)
 
 
 def total_steps(cfg: DictConfig, num_problems: int) -> int:
@@ -236,6 +240,8 @@ def validate(cfg: DictConfig) -> None:
     except methods.UnknownName as err:
         raise ConfigError(str(err)) from err
     _choice(cfg.backend.name, BACKENDS, "backend")
+    if cfg.backend.name == "local":
+        _choice(cfg.backend.sampler, LOCAL_SAMPLERS, "backend.sampler")
     exchanges = spec.selection.transfers or spec.peer_loss.transfers
     if method.co_train != exchanges:
         raise ConfigError(

@@ -11,7 +11,6 @@ step here and in ``graft_exp.exchange``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -52,6 +51,7 @@ from graft_exp.exchange import (
 )
 from graft_exp.objective import LossSpec
 from graft_exp.rollouts import Rollouts
+from graft_exp.seeds import derive_seed
 from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
 
 log = logging.getLogger("graft_exp.driver")
@@ -64,12 +64,6 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------- seeds, data
-def derive_seed(*parts) -> int:
-    """A 31-bit seed from the run seed and a purpose (step, role, ...): reproducible and independent
-    of everything that happened before, so a resumed job draws exactly what an uninterrupted one does."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
 def generator(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*parts))
 

@@ -15,8 +15,10 @@ from mlflow.tracking import MlflowClient
 
 from graft_exp import tracking
 from graft_exp.config import validate
+from graft_exp.launching import status
 from graft_exp.launching.jobs import Composer
 from graft_exp.sweep import SweepError, expand, plan, replace
+from graft_exp.sweep.launch import Launch, busy_cores, by_priority
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -120,6 +122,27 @@ def test_stored_runs_wait_for_the_grpo_runs_they_replay(sweeps):
             needed = {(n.job.cfg.pair[r], n.job.cfg.method.name, n.job.cfg.seed)
                       for n in sj.needs for r in n.roles}
             assert {(pair.A, "grpo_n8", sj.job.cfg.seed), (pair.B, "grpo_n8", sj.job.cfg.seed)} <= needed
+
+
+def test_jobs_that_others_need_are_launched_first(sweeps):
+    """The tiny study's GRPO n=8 runs train first, so each graft_stored job can take the first core
+    that frees after its log exists instead of waiting for every other job to end."""
+    tiny = sweeps["tiny"]
+    order = [sj.job.cfg.method.name for sj in by_priority(tiny, tiny.jobs)]
+    assert order[:5] == ["grpo_n8"] * 5 and order[-5:] == ["graft_stored"] * 5
+    rest = [sj for sj in by_priority(tiny, tiny.jobs) if sj.job.cfg.method.name != "grpo_n8"]
+    assert [sj.index for sj in rest] == sorted(sj.index for sj in rest)   # then the file's order
+
+
+def test_a_multiruns_tail_frees_its_cores():
+    """An exclusive cluster's multirun occupies its workers until fewer jobs than workers are left;
+    jobs launched but not started yet (no run) hold a core too."""
+    states = {"a": (status.DONE, None), "b": (status.RUNNING, None), "c": (status.FAILED, None),
+              "d": (status.MISSING, None), "e": (status.CRASHED, None)}
+    wave = Launch(proc=None, keys=["a", "b", "c", "d", "e"], workers=4)
+    assert busy_cores([wave], states) == 2
+    assert busy_cores([wave, Launch(proc=None, keys=["d"], workers=1)], states) == 3
+    assert busy_cores([Launch(proc=None, keys=["a", "c"], workers=2)], states) == 0
 
 
 def test_gpu_hours_estimate_from_the_paper(sweeps):

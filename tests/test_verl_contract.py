@@ -39,7 +39,6 @@ from graft_exp.backends.local_policy import top_p_filter
 from graft_exp.backends.verl.backend import VerlBackend
 from graft_exp.backends.verl.config import data_files, model_path
 from graft_exp.backends.verl.loss import IS_PEER, SFT, WEIGHT
-from graft_exp.driver import derive_seed
 from graft_exp.prepare import Source, verl_rows, write_parquet
 from graft_exp.tiny.models import ASSETS, EVAL_SIZE, RECIPES, model_input
 from graft_exp.tiny.task import SKILLS, benchmark, train_split
@@ -61,16 +60,14 @@ METHODS = ["graft", "sgt", "hacpo", "grpo_ds"]
 
 # ------------------------------------------------------------------------------------ stand-ins
 class NoWeightSync:
-    """verl's ``CheckpointEngineManager`` for replicas that read the trainer's weights directly: a sync only
-    starts the server's next weight version (which seeds its sampling)."""
+    """verl's ``CheckpointEngineManager`` for replicas that read the trainer's weights directly: there is
+    nothing to sync (the calls are counted)."""
 
-    def __init__(self, server: ModelServer):
-        self.server = server
+    def __init__(self):
         self.calls = {"update_weights": 0, "sleep_replicas": 0}
 
     def update_weights(self, global_steps: int | None = None) -> None:
         self.calls["update_weights"] += 1
-        self.server.version += 1
 
     def sleep_replicas(self) -> None:
         self.calls["sleep_replicas"] += 1
@@ -82,13 +79,13 @@ class ModelServer:
     as vLLM keeps an EOS) or at ``rollout.response_length``; sampled from the worker group's current model at
     the request's temperature and top-p. The agent loop sends one request per sample, concurrently; requests
     that arrive together are sampled as one left-padded, KV-cached batch (as vLLM batches them). Each request
-    draws from its own generator, seeded by the weight version and the request's priority (verl's index of
-    the sample in the batch), so the samples do not depend on how requests were batched."""
+    draws from its own generator, seeded by the request's ``seed`` (vLLM's per-request ``SamplingParams.seed``),
+    so the samples do not depend on how requests were batched; a request without one is refused."""
 
-    def __init__(self, wg: EngineWorkerGroup, stop_ids: list[int], response_length: int, seed: int):
-        self.wg, self.stop_ids, self.response_length, self.seed = wg, stop_ids, response_length, seed
-        self.version = 0
+    def __init__(self, wg: EngineWorkerGroup, stop_ids: list[int], response_length: int):
+        self.wg, self.stop_ids, self.response_length = wg, stop_ids, response_length
         self.prompts: set[tuple[int, ...]] = set()     # every prompt it was sent (tests read them)
+        self.requests: list[dict] = []                 # every request's sampling parameters, in arrival order
         self.pending: list[tuple[list[int], dict, int, asyncio.Future]] = []
         self.flushes: list[asyncio.Task] = []
 
@@ -96,6 +93,7 @@ class ModelServer:
                        **_media) -> TokenOutput:
         future = asyncio.get_running_loop().create_future()
         self.prompts.add(tuple(prompt_ids))
+        self.requests.append(dict(sampling_params))
         self.pending.append((list(prompt_ids), dict(sampling_params), int(priority), future))
         if len(self.pending) == 1:
             self.flushes = [t for t in self.flushes if not t.done()] + [asyncio.ensure_future(self._flush())]
@@ -108,9 +106,13 @@ class ModelServer:
             await asyncio.sleep(0.01)
         batch, self.pending = self.pending, []
         try:
-            if any(params != batch[0][1] for _, params, _, _ in batch):
+            shared = [{k: v for k, v in params.items() if k != "seed"} for _, params, _, _ in batch]
+            if any(params != shared[0] for params in shared):
                 raise ValueError("one generate_sequences call sends one set of sampling parameters")
-            outputs = self._sample([p for p, _, _, _ in batch], [q for _, _, q, _ in batch], batch[0][1])
+            if any("seed" not in params for _, params, _, _ in batch):
+                raise ValueError("a request without its sampling seed")
+            outputs = self._sample([p for p, _, _, _ in batch], [params["seed"] for _, params, _, _ in batch],
+                                   batch[0][1])
         except Exception as err:  # noqa: BLE001 (each waiting request fails with the sampler's error, none hangs)
             for *_, future in batch:
                 future.set_exception(err)
@@ -119,14 +121,14 @@ class ModelServer:
             future.set_result(TokenOutput(token_ids=ids, stop_reason="completed"))
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], priorities: list[int], params: dict) -> list[list[int]]:
+    def _sample(self, prompts: list[list[int]], seeds: list[int], params: dict) -> list[list[int]]:
         model, pad = self.wg.model, self.wg.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
-        generators = [torch.Generator().manual_seed(derive_seed(self.seed, self.version, q)) for q in priorities]
+        generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
         temperature, top_p = float(params["temperature"]), float(params["top_p"])
         position = (mask.cumsum(dim=1) - 1).clamp(min=0)
         result = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
@@ -205,10 +207,9 @@ def standin_backend(cfg, roles: list[str], run_dir) -> VerlBackend:
         wg = CountingWorkerGroup(config.actor_rollout_ref.model.path, config.actor_rollout_ref, DP_SIZE,
                                  with_ref=backend.spec.needs_reference_model)
         model.attach(wg, wg.tokenizer, wg.model.generation_config)
-        server = ModelServer(wg, model.stop_ids, int(config.actor_rollout_ref.rollout.response_length),
-                             seed=derive_seed(cfg.seed, model.role, "server"))
+        server = ModelServer(wg, model.stop_ids, int(config.actor_rollout_ref.rollout.response_length))
         model.agent_loop = InProcessAgentLoop.create(config=config, llm_client=server)
-        model.checkpoints = NoWeightSync(server)
+        model.checkpoints = NoWeightSync()
     backends.append(backend)
     return backend
 

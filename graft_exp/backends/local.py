@@ -71,7 +71,7 @@ class LocalBackend:
         for role in roles:
             model, tokenizer = load_member_model(cfg.pair[role], bool(cfg.backend.progress))
             self.policies[role] = LocalPolicy(cfg.pair[role], model, tokenizer, self.device, cfg.train,
-                                              int(cfg.train.max_response_length))
+                                              int(cfg.train.max_response_length), str(cfg.backend.sampler))
             if LossSpec.from_method(cfg.method).needs_reference_model:   # its KL anchor: the initial policy
                 self.references[role] = copy.deepcopy(self.policies[role].model).eval().requires_grad_(False)
         self.best: dict[str, dict] = {}

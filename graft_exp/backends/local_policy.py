@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from graft_exp.backends.static_cache import StaticCacheDecoder
+from graft_exp.config import LOCAL_SAMPLERS
+
 #: Sequences per generation call: much larger batches were measured 2-3x slower on CPU.
 GENERATION_CHUNK = 256
 
@@ -43,8 +46,13 @@ class LocalPolicy:
     """A causal LM with its tokenizer and AdamW optimiser (paper Table 3 settings, scaled)."""
 
     def __init__(self, key: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-                 train_cfg, max_response_tokens: int):
+                 train_cfg, max_response_tokens: int, sampler: str = "static_cache"):
+        # backend.sampler: static_cache decodes over preallocated KV buffers (graft_exp.backends.static_cache);
+        # loop calls the model once per token with its growing cache (the reference it is measured against).
+        if sampler not in LOCAL_SAMPLERS:
+            raise ValueError(f"backend.sampler={sampler!r} is not one of {', '.join(LOCAL_SAMPLERS)}")
         self.key = key
+        self.sampler = sampler
         self.model = model.to(device)
         self.tokenizer = tokenizer
         self.device = device
@@ -102,14 +110,27 @@ class LocalPolicy:
 
     def _sample_chunk(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                       max_new_tokens: int, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generated ids and their log-probs [rows, T] for n samples of each prompt. Both samplers
+        draw from the same distribution with the same random stream; they differ only in how the
+        next-token logits are computed."""
         input_ids, mask = self._left_pad(prompts)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         result = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache = result.past_key_values
-        cache.batch_repeat_interleave(n)
         logits = result.logits[:, -1].repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
-        position = positions[:, -1:].repeat_interleave(n, dim=0)
+        position = positions[:, -1].repeat_interleave(n, dim=0)
+        if self.sampler == "static_cache":
+            decoder = StaticCacheDecoder(self.model, result.past_key_values, mask, n, max_new_tokens)
+            next_logits = decoder.step
+        else:
+            cache = result.past_key_values
+            cache.batch_repeat_interleave(n)
+            mask = mask.repeat_interleave(n, dim=0)
+
+            def next_logits(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+                nonlocal mask
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                return self.model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position[:, None],
+                                  past_key_values=cache, use_cache=True).logits[:, -1]
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
         tokens, log_probs = [], []
         for _ in range(max_new_tokens):
@@ -121,11 +142,8 @@ class LocalPolicy:
             done |= token == self.eos
             if bool(done.all()):
                 break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             position = position + 1
-            result = self.model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position,
-                                past_key_values=cache, use_cache=True)
-            logits = result.logits[:, -1]
+            logits = next_logits(token, position)
         return torch.stack(tokens, dim=1).cpu(), torch.stack(log_probs, dim=1).cpu()
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,10 @@ model with an earlier job runs after it, so a shared GRPO baseline is trained on
   --dry-run   the job list and how many are finished / running / failed / missing (MLflow only),
               with estimated GPU-hours;
   --status    the same from MLflow and the scheduler, failed jobs with their log;
-  (default)   launch what is not finished and not queued, through ``cluster=...``, in waves that
-              respect ``after``; report failures as they happen; finish with the status table.
+  (default)   launch what is not finished and not queued, through ``cluster=...``, each job once
+              what it needs (``after``) is trained, jobs that others need first; on
+              ``cluster=local`` the next ready job takes a core as soon as one is idle; report
+              failures as they happen; finish with the status table.
 
 Other arguments are Hydra overrides for every job, e.g. ``cluster=slurm tracking=server
 hydra.launcher.partition=gpu``.
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+import joblib
 
 from graft_exp import tracking
 from graft_exp.sweep.launch import run
@@ -63,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
     poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
     try:
-        # An exclusive cluster's multirun takes every core of this machine: one at a time.
-        overlap = bool(cluster and cluster.parallel and not cluster.get("exclusive"))
-        return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll)
+        # An exclusive cluster's multiruns share this machine's cores: together, one worker per core
+        # (joblib's count, the one its launcher uses for n_jobs=-1: affinity and cgroup quota).
+        exclusive = bool(cluster and cluster.get("exclusive"))
+        overlap = bool(cluster and cluster.parallel and not exclusive)
+        cores = joblib.cpu_count() if exclusive else None
+        return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll, cores=cores)
     except tracking.TrackingError as err:
         console.print(f"[red]nothing launched:[/] {err}")
         return 2

@@ -1,4 +1,5 @@
-"""Launching a planned sweep: job config files, one multirun per pair, waves that respect ``after``."""
+"""Launching a planned sweep: job config files, one multirun per pair, jobs started once what they need
+(``after``) is trained."""
 
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def job_file(job: Job, group_keys: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str],
-                    out: Path) -> list[tuple[list[str], Path, list[str]]]:
+def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path,
+                    workers: int | None = None) -> list[tuple[list[str], Path, list[str]]]:
     """One ``python -m graft_exp -m`` command per pair (the pair fixes the launcher's resources):
-    (command, its Hydra sweep dir, the run keys in job-index order)."""
+    (command, its Hydra sweep dir, the run keys in the order given). ``workers``: the local
+    launcher's worker processes (default: one per core)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     commands = []
     pairs = list(dict.fromkeys(sj.job.cfg.pair.name for sj in ready))
@@ -63,6 +65,8 @@ def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str],
         command = [sys.executable, "-m", "graft_exp", "-m", f"pair={pair}", f"+sweep_job={','.join(names)}",
                    f"study={sweep.study}", f"hydra.searchpath=[file://{sweep_dir / 'jobs'}]",
                    f"hydra.sweep.dir={sweep_dir}", *overrides]
+        if workers is not None:
+            command.append(f"hydra.launcher.n_jobs={workers}")
         commands.append((command, sweep_dir, [sj.key for sj in batch]))
     return commands
 
@@ -73,33 +77,52 @@ class Launch:
 
     proc: subprocess.Popen
     keys: list[str]
+    workers: int | None = None   # cores it runs jobs on (exclusive clusters)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
 
 def launch(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path,
-           manifest: Path) -> list[Launch]:
+           manifest: Path, workers: int | None = None) -> list[Launch]:
     """Start the multiruns of ``ready`` (one per pair) without waiting for them."""
     launches = []
-    for command, sweep_dir, keys in launch_commands(sweep, ready, overrides, out):
+    for command, sweep_dir, keys in launch_commands(sweep, ready, overrides, out, workers):
         with manifest.open("a") as f:
             f.write(json.dumps({"time": time.time(), "sweep_dir": str(sweep_dir), "keys": keys}) + "\n")
         console.print(f"launching {len(keys)} job(s): {' '.join(command[2:])}", soft_wrap=True)
         proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1", SWEEP_ENV: "1"})
-        launches.append(Launch(proc, keys))
+        launches.append(Launch(proc, keys, workers))
     return launches
 
 
-def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: float) -> int:
+def by_priority(sweep: Sweep, jobs: list[SweepJob]) -> list[SweepJob]:
+    """Jobs that others need first (a dependent starts as soon as a core frees after them), then in
+    the sweep file's order (written most expensive first, so the last jobs are short)."""
+    needed = {id(n) for sj in sweep.jobs for n in sj.needs}
+    return sorted(jobs, key=lambda sj: (id(sj) not in needed, sj.index))
+
+
+def busy_cores(launches: list[Launch], states: dict[str, tuple[str, str | None]]) -> int:
+    """Cores the live multiruns of an exclusive cluster occupy: each its workers, fewer once it has
+    fewer unfinished jobs than workers (its tail)."""
+    ended = (status.DONE, status.FAILED, status.CRASHED)
+    return sum(min(la.workers, sum(states[k][0] not in ended for k in la.keys)) for la in launches)
+
+
+def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: float,
+        cores: int | None = None) -> int:
     """Launch every job that is neither finished nor queued as soon as what it needs is trained;
     print each launched job's state changes as they happen; end with the status table. Exit
     status 1 when a job did not finish.
 
     A parallel cluster's multirun process only waits for its jobs' results (Hydra's submitit
     launcher polls them with growing intervals, and reports failures at the end); once MLflow and
-    Slurm show every job of it ended, it is stopped. On ``cluster=local`` the jobs run inside
-    the multirun process, one multirun at a time.
+    Slurm show every job of it ended, it is stopped. On an exclusive cluster (``cluster=local``,
+    ``cores`` given) the jobs run inside multirun processes that together use ``cores`` workers:
+    the first takes every ready job; when its tail leaves cores idle, jobs that became ready since
+    (a ``graft_stored`` job after its GRPO n=8 log, which ``by_priority`` trains early) start on
+    them, so no core waits for a whole wave to end.
     """
     manifest = out / sweep.study / "launches.jsonl"
     manifest.parent.mkdir(parents=True, exist_ok=True)
@@ -125,9 +148,12 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
                 la.proc.wait(timeout=60)
         launches = [la for la in launches if la.alive()]
         todo = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
-        ready = [sj for sj in todo if snap.ready(sj)]
-        if ready and (parallel or not launches):
-            launches += launch(sweep, ready, overrides, out, manifest)
+        ready = by_priority(sweep, [sj for sj in todo if snap.ready(sj)])
+        idle = cores - busy_cores(launches, snap.states) if cores else int(parallel or not launches)
+        if ready and idle > 0:
+            if cores and launches:   # a tail: exactly the idle cores, so later ones can be filled too
+                ready = ready[:idle]
+            launches += launch(sweep, ready, overrides, out, manifest, workers=min(idle, len(ready)) if cores else None)
             attempted |= {sj.key for sj in ready}
             continue
         in_flight = [sj for sj in sweep.jobs if snap.state(sj) in (status.RUNNING, status.PENDING)]

@@ -10,6 +10,8 @@ other's update to be charged to it.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +28,13 @@ from graft_exp.algorithms import sequence_log_prob_sums
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import verl_config
 from graft_exp.backends.verl.runtime import VerlModel, start_models
+from graft_exp.backends.verl.seeded_agent import SEED_COLUMN
 from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import ReceiverBatch, Scorer
 from graft_exp.objective import COUNT_METRICS, LossSpec
 from graft_exp.rollouts import Rollouts
+from graft_exp.seeds import derive_seed
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,27 @@ def check_prompt_lengths(dataset: RLHFDataset, tokenizer, max_length: int, model
                              "the front. Raise train.max_prompt_length")
 
 
+def check_verl_loadable(path: str) -> None:
+    """verl 0.9.1 loads a model it can train: it picks the model class by the substring "ForCausalLM" of
+    the config's architecture (``utils/model.get_hf_auto_model_class``: anything else, GPT-2's
+    ``GPT2LMHeadModel`` included, is loaded as a bare ``AutoModel``, without its LM head) and its FSDP
+    patches read ``num_key_value_heads`` (``models/transformers/monkey_patch.apply_monkey_patch``).
+    Raises naming the model and what it lacks."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    architecture = (config.architectures or ["<none>"])[0]
+    problems = []
+    if "ForCausalLM" not in architecture:
+        problems.append(f"its architecture {architecture} is not a *ForCausalLM (verl would load it without its "
+                        "LM head)")
+    if getattr(config.get_text_config(), "num_key_value_heads", None) is None:
+        problems.append("its config has no num_key_value_heads (verl's FSDP patches read it)")
+    if problems:
+        raise ValueError(f"model {path} cannot train on backend=verl: {'; '.join(problems)}. Pick a *ForCausalLM "
+                         "model (the paper's SmolLM3, Qwen3 and OctoThinker are), or backend=local")
+
+
 def gather_groups(parts: list[tuple[DataProto, list[int]]], n: int) -> DataProto:
     """The rows of the chosen prompt groups of several rollout batches (prompt-major, ``n`` per prompt), in
     order: DAPO's refilled batch in verl's layout."""
@@ -88,6 +113,8 @@ class VerlBackend:
         self.models: dict[str, VerlModel] = {}
         self.scorers: dict[str, vb.PeerScorer] = {}
         self.step = 0
+        for role in roles:   # an earlier process's staged best: a resume takes the checkpoint's (load)
+            shutil.rmtree(self.staged_best(role), ignore_errors=True)
 
     def build(self, train_files: str, val_files: list[str], tokenizer) -> None:
         """Datasets (``prepare.py``'s Parquet, read by verl's ``RLHFDataset`` with the model's chat template)
@@ -97,8 +124,11 @@ class VerlBackend:
         self.val_set = RLHFDataset(data_files=val_files, tokenizer=tokenizer, config=probe.data)
         self._problems = [p for _, p in dataset_problems(self.train_set)]
         self._benchmarks: dict[str, list[Problem]] = {}
+        limit = self.cfg.eval.get("max_problems")
         for source, problem in dataset_problems(self.val_set):
-            self._benchmarks.setdefault(source, []).append(problem)
+            problems = self._benchmarks.setdefault(source, [])
+            if limit is None or len(problems) < int(limit):   # eval.max_problems: each benchmark's first ones
+                problems.append(problem)
         self.val_row = {p.prompt: p.row for problems in self._benchmarks.values() for p in problems}
         steps = total_steps(self.cfg, len(self._problems))
         self.models = {role: VerlModel(role, verl_config(self.cfg, role, str(self.dir / role), training_steps=steps),
@@ -125,16 +155,22 @@ class VerlBackend:
     def prompt_batch(self, dataset: RLHFDataset, rows: list[int]) -> DataProto:
         return DataProto.from_single_dict(collate_fn([dataset[i] for i in rows]))
 
-    def _generate(self, role: str, prompts: DataProto, n: int, validate: bool) -> tuple[DataProto, list, list]:
+    def _generate(self, role: str, prompts: DataProto, n: int, seed: int,
+                  validate: bool) -> tuple[DataProto, list, list]:
+        """n samples of each prompt; sample i is drawn with vLLM seed ``derive_seed(seed, i)``."""
         model = self.models[role]
-        out = model.generate(prompts.repeat(repeat_times=n, interleave=True), self.step, validate)
+        repeated = prompts.repeat(repeat_times=n, interleave=True)
+        repeated.non_tensor_batch[SEED_COLUMN] = np.array([derive_seed(seed, i) for i in range(len(repeated))],
+                                                          dtype=object)
+        out = model.generate(repeated, self.step, validate)
         return out, *vb.decode_responses(out, model.tokenizer, model.stop_ids)
 
     def sample(self, role: str, problems: list[Problem], n: int, seed: int, step: int) -> Generation:
-        """n rollouts per prompt (vLLM takes no per-call seed) and their old log-probs from the FSDP workers."""
+        """n rollouts per prompt (each with its own vLLM seed from ``seed``, which the driver derives from the
+        run seed and the step) and their old log-probs from the FSDP workers."""
         self.step = step
         out, texts, finished = self._generate(role, self.prompt_batch(self.train_set, [p.row for p in problems]),
-                                              n, validate=False)
+                                              n, seed, validate=False)
         out.batch["old_log_probs"] = self.models[role].log_probs(out)
         logp_sum, num_tokens = sequence_log_prob_sums(out.batch["old_log_probs"], out.batch["response_mask"])
         return Generation(responses=[texts[q * n:(q + 1) * n] for q in range(len(problems))],
@@ -170,7 +206,7 @@ class VerlBackend:
     # ------------------------------------------------------------------ evaluation and state
     def generate(self, role: str, step: int):
         """``graft_exp.evaluation``'s generate: validation prompts by text, sampled by verl's agent loop at the
-        config's ``val_kwargs`` (= ``eval.temperature`` / ``eval.top_p``); repeated runs differ by vLLM's noise."""
+        config's ``val_kwargs`` (= ``eval.temperature`` / ``eval.top_p``), seeded by ``seed``."""
         val_kwargs = self.models[role].config.actor_rollout_ref.rollout.val_kwargs
 
         def generate(prompts: list[str], k: int, temperature: float, top_p: float, seed: int) -> list[list[str]]:
@@ -179,24 +215,50 @@ class VerlBackend:
                                  f"{val_kwargs.top_p}; {temperature} / {top_p} were asked for")
             self.step = step
             batch = self.prompt_batch(self.val_set, [self.val_row[p] for p in prompts])
-            _, texts, _ = self._generate(role, batch, k, validate=True)
+            _, texts, _ = self._generate(role, batch, k, seed, validate=True)
             return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
         return generate
 
+    def staged_best(self, role: str) -> Path:
+        """Where ``keep_best`` saves ``role``'s best weights until the next checkpoint takes them."""
+        return self.dir / role / "best"
+
     def keep_best(self, role: str, step: int) -> None:
-        self.models[role].save(str(self.dir / role / "best"), step)
+        """Save the weights under ``staged_best``; only ``save`` makes them part of a checkpoint, next to the
+        driver's record of the best step, so a job killed in between resumes with the older pair."""
+        shutil.rmtree(self.staged_best(role), ignore_errors=True)   # unlinks; a checkpoint's links stay intact
+        self.models[role].save(str(self.staged_best(role)), step)
 
     def restore_best(self, role: str) -> None:
-        if (self.dir / role / "best").is_dir():   # no trained checkpoint was validated: the final weights stand
-            self.models[role].load(str(self.dir / role / "best"))
+        if self.staged_best(role).is_dir():   # no trained checkpoint was validated: the final weights stand
+            self.models[role].load(str(self.staged_best(role)))
 
     def save(self, directory: Path, step: int) -> None:
+        """Each model's state under ``directory/<role>`` and its staged best (hard links) under
+        ``directory/<role>/best``: the driver writes its record into the same directory and renames it."""
         for role, model in self.models.items():
             model.save(str(directory / role), step)
+            if self.staged_best(role).is_dir():
+                link_tree(self.staged_best(role), directory / role / "best")
 
     def load(self, directory: Path) -> None:
+        """The models' state and, as the staged best, the best weights of the same checkpoint."""
         for role, model in self.models.items():
             self.step = model.load(str(directory / role))
+            shutil.rmtree(self.staged_best(role), ignore_errors=True)
+            if (directory / role / "best").is_dir():
+                link_tree(directory / role / "best", self.staged_best(role))
+
+
+def link_tree(source: Path, target: Path) -> None:
+    """``source``'s files under ``target`` as hard links (a checkpoint's files are never rewritten in
+    place, so both trees stay valid when either is deleted); copies where the filesystem cannot link."""
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    shutil.copytree(source, target, copy_function=link)
 
 
 def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
@@ -207,10 +269,12 @@ def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
     from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
     from graft_exp.backends.verl.ray_slurm import start_local_ray
 
+    for role in roles:
+        check_verl_loadable(model_path(cfg, role))
     backend = VerlBackend(cfg, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
-    start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
+    start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=backend.dir, address=cfg.backend.ray_address,
                     init_kwargs=ray_init_kwargs(backend.models[roles[0]].config))
     with_ref = backend.spec.needs_reference_model
     start_models(list(backend.models.values()), with_ref=with_ref)

@@ -25,6 +25,11 @@ from graft_exp.methods import resolve
 
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
+#: graft_exp's entries of verl's agent-loop registry, read by verl's agent-loop workers, and the name of
+#: the one every generation runs (``seeded_agent.SeededSingleTurnAgentLoop``).
+AGENT_LOOPS = Path(__file__).with_name("agent_loops.yaml")
+AGENT_NAME = "graft_seeded_single_turn"
+
 #: Where ``python -m graft_exp.prepare`` writes each data set (relative to ``backend.data_dir``).
 TRAIN_FILE = "math/train.parquet"
 
@@ -219,7 +224,9 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
                 "calculate_log_probs": True,
                 "free_cache_engine": True,
                 "checkpoint_engine": {"backend": "naive"},
-                "agent": {"num_workers": int(backend.agent_workers)},
+                # per-sample vLLM seeds from the run seed and step (seeded_agent.py)
+                "agent": {"num_workers": int(backend.agent_workers), "default_agent_loop": AGENT_NAME,
+                          "agent_loop_config_path": str(AGENT_LOOPS)},
                 "val_kwargs": {
                     "temperature": float(evaluation.temperature),
                     "top_p": float(evaluation.top_p),

@@ -46,7 +46,7 @@ from omegaconf import DictConfig
 from verl import DataProto
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.experimental.agent_loop import AgentLoopManager
-from verl.protocol import pad_dataproto_to_divisor
+from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from verl.utils import tensordict_utils as tu
@@ -215,13 +215,19 @@ class VerlModel:
 
     # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: DataProto, step: int, validate: bool = False) -> DataProto:
-        """Rollouts of ``prompts`` (already repeated n times) with the current weights; vLLM sleeps after."""
+        """Rollouts of ``prompts`` (already repeated n times) with the current weights; vLLM sleeps after.
+        verl's agent loop splits the batch evenly over its workers (``DataProto.chunk`` asserts otherwise):
+        it is padded to a multiple of ``rollout.agent.num_workers`` and the padding's rollouts dropped, as
+        verl's own trainer does for validation."""
         prompts.meta_info.update({"global_steps": step, "validate": validate})
+        workers = int(self.config.actor_rollout_ref.rollout.agent.num_workers)
+        padded, pad_size = pad_dataproto_to_divisor(prompts, workers)
         self.checkpoints.update_weights(step)
         try:
-            out = self.agent_loop.generate_sequences(prompts)
+            out = self.agent_loop.generate_sequences(padded)
         finally:
             self.checkpoints.sleep_replicas()
+        out = unpad_dataproto(out, pad_size)
         out.meta_info.pop("timing", None)
         return out
 

@@ -1,0 +1,32 @@
+"""verl's single-turn agent loop with a per-sample vLLM sampling seed.
+
+verl 0.9.1 seeds each vLLM engine once, at launch, with ``rollout.seed + replica rank``
+(``vLLMHttpServer.launch_server``), and sends no per-request seed unless ``full_determinism`` is on (then
+one seed for every request, so the n samples of a prompt would be identical). Every job would then draw
+from the same random stream, and a resumed job would draw differently from an uninterrupted one (the
+engine's stream restarts). The backend puts a ``sample_seed`` column into each generation batch, derived
+from the run seed, the step and the row (``VerlBackend._generate``); this loop hands it to vLLM as the
+request's ``SamplingParams.seed``.
+
+verl's agent-loop workers are Ray actors that never import this module: they find the loop through
+``agent_loops.yaml`` (``rollout.agent.agent_loop_config_path``, set by ``config.verl_config``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+#: The generation batch's column of per-sample seeds.
+SEED_COLUMN = "sample_seed"
+
+
+class SeededSingleTurnAgentLoop(SingleTurnAgentLoop):
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        seed = kwargs.pop(SEED_COLUMN, None)
+        if seed is None:
+            raise ValueError(f"generation batch without its {SEED_COLUMN!r} column: vLLM would sample from the "
+                             "engine's launch seed")
+        return await super().run({**sampling_params, "seed": int(seed)}, **kwargs)

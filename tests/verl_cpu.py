@@ -1,0 +1,209 @@
+"""What verl 0.9.1's real engine workers need to run on a CPU-only machine, in a real local Ray; imported
+into every Ray worker by verl itself (``VERL_USE_EXTERNAL_MODULES=verl_cpu``, read in ``verl/__init__.py``)
+and selected with ``VERL_PLATFORM=cpu`` (``plugin/platform/platform_manager._detect_platform_name``).
+Nothing here applies to a GPU job: only the test suite sets these variables. Each patch names the verl or
+torch line it works around.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import torch.distributed.fsdp._init_utils as fsdp_init
+from verl.plugin.platform.platform_base import PlatformBase
+from verl.plugin.platform.platform_manager import PlatformRegistry
+
+#: The environment a Ray worker needs for this module to load and apply (``runtime_env["env_vars"]``).
+#: Where the stand-in rollout writes the weights it received (``WeightsRollout.update_weights``).
+ROLLOUT_DIR_ENV = "VERL_CPU_ROLLOUT_DIR"
+
+#: The test directory (this module) and the project root (the worker classes) come first on the path.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "verl_cpu", "VERL_PLATFORM": "cpu",
+              "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")]))}
+
+
+class _CpuDeviceModule:
+    """``torch.cpu`` with the CUDA memory queries verl calls on its device module (e.g.
+    ``memory_utils.aggressive_empty_cache``: ``memory_reserved``, ``memory_allocated``, ``empty_cache``):
+    nothing is reserved on an accelerator."""
+
+    def __getattr__(self, name):
+        if name.startswith(("memory_", "max_memory_", "reset_peak_memory")):
+            return lambda *args, **kwargs: 0
+        if name in ("empty_cache", "ipc_collect", "reset_max_memory_allocated"):
+            return lambda *args, **kwargs: None
+        if name in ("get_rng_state", "set_rng_state"):   # checkpoint_manager.load_rng_state / get_rng_state
+            return getattr(torch, name)
+        if name == "get_device_name":   # the flops counter's device lookup (utils/flops_counter.py)
+            return lambda *args, **kwargs: "CPU"
+        if name == "mem_get_info":
+            return lambda *args, **kwargs: (0, 0)
+        return getattr(torch.cpu, name)
+
+
+CPU_DEVICE = _CpuDeviceModule()
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    """verl 0.9.1 has no CPU platform: ``get_device_name()`` falls back to "nvidia"/"cuda" when no
+    accelerator is found (``platform_manager._detect_platform_name``). Devices are the CPU; Ray's stand-in
+    "GPU" resources (the test's ``ray.init(num_gpus=...)``) place one worker per data-parallel rank."""
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self):
+        return CPU_DEVICE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return False   # never auto-detected (a GPU machine's tests stay on CUDA): VERL_PLATFORM=cpu selects it
+
+    def current_device(self) -> str:
+        # FSDP1's device_id=get_device_id() (transformer_impl.py _build_fsdp_module): an index would name
+        # an accelerator, which torch refuses without one.
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index) -> None:
+        return None
+
+    def synchronize(self, device_index=None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "GPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self):
+        return None
+
+
+def apply() -> None:
+    """The patches below; idempotent."""
+    from verl.utils.checkpoint import fsdp_checkpoint_manager
+    from verl.workers import engine_workers
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.rollout import base as rollout_base
+
+    # verl/workers/rollout/base.py _ROLLOUT_REGISTRY[("vllm", "async")]: verl's vLLM ServerAdapter.
+    rollout_base._ROLLOUT_REGISTRY[("vllm", "async")] = f"{__name__}.WeightsRollout"
+
+    # verl/workers/engine/fsdp/transformer_impl.py: @EngineRegistry.register(..., device=["cuda", "npu"]) —
+    # the FSDP LM engine is not registered for the CPU.
+    engines = EngineRegistry._engines["language_model"]
+    for backend in ("fsdp", "fsdp2"):
+        engines[backend].setdefault("cpu", FSDPEngineWithLMHead)
+
+    # verl/utils/distributed.py initialize_global_process_group_ray: backend
+    # f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}" is "cpu:gloo,cpu:gloo", which torch rejects
+    # (a device type listed twice); the workers' group is plain gloo.
+    if not isinstance(engine_workers.initialize_global_process_group_ray, functools.partial):
+        engine_workers.initialize_global_process_group_ray = functools.partial(
+            engine_workers.initialize_global_process_group_ray, backend="gloo")
+
+    # torch/distributed/fsdp/_init_utils.py _check_module_states_for_sync_module_states refuses CPU tensors,
+    # and verl's FSDP1 wrap always passes sync_module_states=True (transformer_impl.py); the broadcast
+    # itself (_sync_params_and_buffers) runs over gloo on CPU tensors.
+    fsdp_init._check_module_states_for_sync_module_states = lambda module_states: None
+
+    # verl/workers/engine/fsdp/transformer_impl.py save_checkpoint/load_checkpoint call
+    # load_fsdp_model_to_gpu when the module is on the CPU, which builds the device
+    # f"{get_device_name()}:{device_id}" = "cpu:cpu" (verl/utils/fsdp_utils.py); on a CPU machine the
+    # parameters are where the GPU path would bring them, and the matching offload has nothing to move.
+    from verl.workers.engine.fsdp import transformer_impl
+    transformer_impl.load_fsdp_model_to_gpu = lambda module: None
+    transformer_impl.offload_fsdp_model_to_cpu = lambda module, *args, **kwargs: None
+
+    # verl/utils/checkpoint/fsdp_checkpoint_manager.py save_checkpoint: the HF export calls
+    # get_fsdp_full_state_dict(self.model, offload_to_cpu=True, rank0_only=True); FSDP1's full state dict
+    # with offload_to_cpu fails for parameters already on the CPU.
+    full_state_dict = fsdp_checkpoint_manager.get_fsdp_full_state_dict
+    if not getattr(full_state_dict, "cpu_patched", False):
+        def on_cpu(model, offload_to_cpu=True, rank0_only=True):
+            return full_state_dict(model, offload_to_cpu=False, rank0_only=rank0_only)
+        on_cpu.cpu_patched = True
+        fsdp_checkpoint_manager.get_fsdp_full_state_dict = on_cpu
+
+
+if os.environ.get("VERL_PLATFORM") == "cpu":
+    apply()
+
+
+class WeightsRollout:
+    """The worker-side rollout verl builds in ``init_model`` (``get_rollout_class("vllm", "async")`` ->
+    ``_ROLLOUT_REGISTRY`` in verl/workers/rollout/base.py; verl's ``ServerAdapter`` needs vLLM): it keeps
+    the weights ``update_weights`` receives from the trainer, and nothing else."""
+
+    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+        self.config, self.model_config, self.device_mesh = config, model_config, device_mesh
+        self.weights: dict[str, torch.Tensor] = {}
+        self.replica_rank = 0
+        self.zmq_handle = "ipc:///tmp/rl-colocate-zmq-cpu-replica-0-rank-0.sock"
+
+    async def resume(self, tags):
+        return None
+
+    async def release(self):
+        return None
+
+    async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
+        """Keep the weights; rank 0 also writes them to ``$VERL_CPU_ROLLOUT_DIR/weights.pt`` (where the test
+        process reads what the rollout would generate with)."""
+        self.weights = {name: tensor.detach().clone() for name, tensor in weights}
+        directory = os.environ.get(ROLLOUT_DIR_ENV)
+        if directory and torch.distributed.get_rank() == 0:
+            torch.save(self.weights, os.path.join(directory, "weights.pt.tmp"))
+            os.replace(os.path.join(directory, "weights.pt.tmp"), os.path.join(directory, "weights.pt"))
