@@ -120,3 +120,27 @@ def test_no_method_routing_by_name_in_the_driver_exchange_or_backends():
     root = Path(methods.__file__).parent
     files = [root / "driver.py", root / "exchange.py", root / "objective.py", *sorted((root / "backends").rglob("*.py"))]
     assert not [hit for path in files for hit in name_comparisons(path)]
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def test_control_flows_one_way():
+    """docs/design.md's layers: backends never import the driver; the driver, the contract, the exchange and
+    the objective never import a backend; the method registry imports nothing of the loop."""
+    root = Path(methods.__file__).parent
+    for path in (root / "backends").rglob("*.py"):
+        assert "graft_exp.driver" not in imported_modules(path), path
+    for name in ("driver.py", "contract.py", "exchange.py", "objective.py", "methods.py", "config.py"):
+        assert not any(m.startswith("graft_exp.backends") for m in imported_modules(root / name)), name
+    assert not {m for m in imported_modules(root / "methods.py") if m.startswith("graft_exp")} - {
+        f"graft_exp.algorithms{suffix}" for suffix in ("", ".balanced_exchange", ".complementary_candidates",
+                                                       ".sgt_rescue_prompts", ".count_matched_random_exchange",
+                                                       ".compatibility_weight", ".random_admission_weights",
+                                                       ".ungated_weight", ".success_only_weights")}
