@@ -189,6 +189,8 @@ class FailureMonitor(threading.Thread):
             self.seen[job.index] = state
             if state in (status.FAILED, status.CRASHED):
                 log.error("job %s %s; log: %s", job.label, state.upper(), log_file or "unknown")
+            elif state == status.HELD:
+                log.error("job %s HELD: %s", job.label, log_file)
             else:
                 log.info("job %s %s", job.label, state)
 
