@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from graft_exp import tracking
 from graft_exp.backends import get_trainer
 from graft_exp.config import ConfigError, register_schemas, validate
+from graft_exp.driver import CheckpointError, check_newest_checkpoint
 
 log = logging.getLogger("graft_exp")
 register_schemas()
@@ -32,7 +33,8 @@ def main(cfg: DictConfig) -> None:
     try:
         check_launch_mode(cfg)
         validate(cfg)
-    except ConfigError as err:
+        check_newest_checkpoint(cfg)
+    except (ConfigError, CheckpointError) as err:
         # A bad override stops the whole sweep before any training, with one clear line.
         log.error("invalid configuration: %s", err)
         raise SystemExit(2) from err

@@ -140,6 +140,22 @@ def total_steps(cfg: DictConfig, num_problems: int) -> int:
     return int(cfg.train.max_steps or cfg.train.total_epochs * batches_per_epoch)
 
 
+def check_newest_checkpoint(cfg: DictConfig) -> None:
+    """Before the job's run is opened: the newest checkpoint of this run key, which a resumed job would
+    load, has a readable loop state (a truncated or foreign one would fail the job after it started)."""
+    root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+    found = sorted((p for p in root.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")),
+                   key=lambda p: int(p.name.split("-")[1])) if root.is_dir() else []
+    if not found:
+        return
+    try:
+        json.loads((found[-1] / "driver.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {found[-1]} cannot be loaded ({type(err).__name__}: {err}). Delete it to resume "
+            "from the previous one (or from scratch), or launch again with rerun=true for a fresh run") from None
+
+
 def derive_seed(*parts) -> int:
     """A 31-bit seed from the run seed and a purpose (step, role, ...): reproducible and independent
     of everything that happened before, so a resumed job draws exactly what an uninterrupted one does."""
