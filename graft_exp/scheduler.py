@@ -69,9 +69,15 @@ def slurm_queue() -> dict[str, str] | None:
     for line in out.splitlines():
         job, state, reason = (line.strip().split("|", 2) + ["", ""])[:3]
         if job:
-            held = state == "PENDING" and "held" in reason.lower()   # launch_failed_requeued_held, JobHeldUser, ...
-            queue[job] = SLURM_HELD if held else state
+            queue[job] = queue_state(state, reason)
     return queue
+
+
+def queue_state(state: str, reason: str) -> str:
+    """A job's state as ``slurm_queue`` reports it: SLURM_HELD for a pending job whose reason is a hold
+    (``launch failed requeued held``, ``JobHeldUser``, ``JobHeldAdmin``), else Slurm's own state."""
+    held = state == "PENDING" and "held" in reason.lower().replace("_", " ")
+    return SLURM_HELD if held else state
 
 
 def held_hint(job: str) -> str:

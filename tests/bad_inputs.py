@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # as a script: this checkout's graft_exp, whatever is installed
 
 
 @dataclass(frozen=True)
