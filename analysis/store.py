@@ -125,7 +125,7 @@ def _tidy_runs(raw: pd.DataFrame, experiments: dict[str, str]) -> pd.DataFrame:
     for tag in ("seed", "n", "best_step"):
         runs[tag] = pd.to_numeric(runs[tag], errors="coerce")
     # The job's environment (graft.env.* tags of the job run), inherited by its model runs.
-    environment = pd.DataFrame({f"env:{tag.removeprefix('graft.env.')}": raw.get(f"tags.{tag}", pd.Series(
+    environment = pd.DataFrame({f"env:{tag.rsplit('.', 1)[-1]}": raw.get(f"tags.{tag}", pd.Series(
         index=raw.index, dtype=object)).to_numpy() for tag in ENV_TAGS}, index=runs.index)
     environment = environment.where(environment.notna(),
                                     environment.loc[~runs["is_model"]].reindex(runs["parent_id"]).set_axis(runs.index))
