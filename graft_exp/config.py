@@ -344,6 +344,10 @@ def validate_backend(cfg: DictConfig) -> None:
         if train.optimizer != "adamw":
             raise ConfigError(f"train.optimizer={train.optimizer} is not supported by backend=local: "
                               "set train.optimizer=adamw")
+        for key in ("kl_coef", "entropy_coef"):   # the paper's 0; HACPO's own KL is method.hacpo.kl_coef
+            if train[key] != 0:
+                raise ConfigError(f"train.{key}={train[key]} is not supported by backend=local (no {key[:-5]} "
+                                  f"term in its loss): set train.{key}=0, or use backend=verl")
     else:
         if pair.gpus < 1:
             raise ConfigError(

@@ -48,6 +48,8 @@ CASES = [
     Case("negative warm-up", ("train.lr_warmup_steps=-5",), "train.lr_warmup_steps=-5 must be an integer >= 0"),
     Case("bf16 on the local backend", ("train.precision=bf16",),
          "train.precision=bf16 is not supported by backend=local"),
+    Case("KL term on the local backend", ("train.kl_coef=0.01",),
+         "train.kl_coef=0.01 is not supported by backend=local (no kl term in its loss)"),
     Case("unknown optimizer", ("train.optimizer=sgd",), "train.optimizer='sgd' is not one of adamw"),
     Case("top-p above 1", ("train.top_p=1.5",), "train.top_p=1.5 must be in (0, 1]"),
     Case("gate floor outside [0, 1]", ("method.delta=1.5",), "method.delta=1.5 is outside [0, 1]"),
