@@ -11,7 +11,6 @@ and raises ``ConfigError`` naming the fix.
 from __future__ import annotations
 
 import importlib.util
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -41,7 +41,7 @@ def gpu_tags() -> dict[str, str]:
     if not first:
         return {}
     name, _, driver = first[0].partition(",")
-    import torch   # only where there is a GPU: its CUDA build
+    import torch  # only where there is a GPU: its CUDA build
 
     return {"graft.env.gpu": name.strip(), "graft.env.driver": driver.strip(),
             "graft.env.cuda": torch.version.cuda or NOT_INSTALLED}

@@ -165,7 +165,8 @@ def run_case(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, floa
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **case.env)
     env.pop("HYDRA_FULL_ERROR", None)   # Hydra's own one-message form, as a user sees it
     start = time.perf_counter()
-    done = subprocess.run(command(case, where), cwd=where, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command(case, where), cwd=where, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
     return done, time.perf_counter() - start
 
 
