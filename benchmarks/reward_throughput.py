@@ -2,49 +2,56 @@
 
     python benchmarks/reward_throughput.py [--prompts 128] [--n 8] [--repeats 2] [--workers N]
 
-The batch is a training step's worth (128 prompts x 8 responses) of MATH-style responses built from the
-realistic cases of tests/data/reward_cases.yaml (every benchmark's gold format, right and wrong
-answers), each behind ~1,500 characters of reasoning (see ``step_batch``). Every pair is distinct and
-sent to the pool as it is, so every response is verified. Measured, in one run:
+The batch is a training step's worth (128 prompts x 8 responses) of real model-written solutions of
+1,000 to 2,000 characters: those a Qwen2.5-Math-Instruct model wrote for 100 MATH test problems
+(tests/data/math_labelled_solutions.jsonl.gz; see ``step_batch``). Measured, in one run:
 
 - pool start-up: the first call of a fresh pool (interpreters, math-verify import, warm-up);
-- the batch in the calling thread (``verify_answer`` per response: no timeout, each gold parsed for
-  every response), through a 1-worker pool and through an all-cores pool, the pools warm (a worker
-  parses a group's gold once per chunk); one-core and all-core passes alternate so that background load hits
-  both alike, and the best of ``--repeats`` counts;
+- the batch in the calling thread (``last_boxed`` and ``verify_answer`` per response: no timeout, each
+  gold parsed for every response), through ``rewards`` with a 1-worker pool and with an all-cores pool,
+  the pools warm (a worker parses a group's gold once per chunk); one-core and all-core passes
+  alternate so that background load hits both alike, and the best of ``--repeats`` counts;
 - the tiny default run's step (16 prompts x 8 integer answers) in the calling thread and through the pool.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import logging
 import os
 import time
 from pathlib import Path
 
-import yaml
-
 from graft_exp.prepare import SOURCES, gold_answer
-from graft_exp.reward import WARM_UP, RewardPool, default_workers, last_boxed, verify_answer
+from graft_exp.reward import WARM_UP, RewardPool, default_workers, last_boxed, rewards, verify_answer
 
-CASES = Path(__file__).resolve().parents[1] / "tests" / "data" / "reward_cases.yaml"
-REASONING = ("Let me set up the problem carefully. We write the given condition as an equation, "
-             "simplify both sides and check the edge cases one at a time before combining them. ") * 9
+SOLUTIONS = Path(__file__).resolve().parents[1] / "tests" / "data" / "math_labelled_solutions.jsonl.gz"
 
 
 def step_batch(prompts: int, n: int) -> list[tuple[str, str]]:
-    """A step's (boxed answer, gold) pairs: ``prompts`` groups of ``n``, one gold per group, as the
-    trainer sends them. Group q takes case q's gold (cycling) and the answers of cases q .. q+n-1:
-    its own (right or wrong as the case says) and n-1 others (mostly wrong), every pair distinct."""
-    answers, golds = [], []
-    for case in yaml.safe_load(CASES.read_text()):
-        answer = last_boxed(REASONING + case["response"])
-        if answer and answer.strip():
-            source = SOURCES[case["source"]]
-            answers.append(answer)
-            golds.append(gold_answer({source.answer: case["gold"]}, source))
-    return [(answers[(q + k) % len(answers)], golds[q % len(golds)]) for q in range(prompts) for k in range(n)]
+    """A step's (response, gold) pairs: ``prompts`` groups of ``n`` solutions of 1-2k characters, one
+    gold per group, as the trainer scores them. Each solution stands for its final boxed answer (one
+    solution per distinct answer), so that the answers cycle through every distinct one and math-verify's
+    small parse cache does not turn repeated answers into free ones; the golds cycle through the
+    problems' golds."""
+    with gzip.open(SOLUTIONS, "rt") as lines:
+        problems = [json.loads(line) for line in lines]
+    source = SOURCES["math500"]
+    golds = list(dict.fromkeys(gold_answer({source.answer: p["answer"]}, source) for p in problems))
+    by_answer = {}
+    for problem in problems:
+        for response in problem["responses"]:
+            if 1000 <= len(response) <= 2000 and last_boxed(response):
+                by_answer.setdefault(last_boxed(response), response)
+    responses = list(by_answer.values())
+    return [(responses[(q * n + k) % len(responses)], golds[q % len(golds)]) for q in range(prompts) for k in range(n)]
+
+
+def verify_in_thread(pairs: list[tuple[str, str]]) -> list[float]:
+    """The reward of each pair computed in the calling thread: no pool, no timeout."""
+    return [verify_answer(answer, gold) if (answer := last_boxed(response)) else 0.0 for response, gold in pairs]
 
 
 def timed(fn) -> float:
@@ -63,13 +70,16 @@ def main() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     pairs = step_batch(args.prompts, args.n)
     tiny = [(str(v), str(v if i % 3 else v + 1)) for i, v in enumerate(range(10, 10 + 128))]
-    print(f"{len(pairs)} responses, {os.cpu_count()} cores seen, load average {os.getloadavg()[0]:.1f} "
+    responses, golds = [r for r, _ in pairs], [g for _, g in pairs]
+    distinct = len({(last_boxed(r), g) for r, g in pairs})
+    print(f"{len(pairs)} responses of {min(map(len, responses))}-{max(map(len, responses))} characters "
+          f"({distinct} distinct answer-gold pairs), {os.cpu_count()} cores seen, load average {os.getloadavg()[0]:.1f} "
           "(wall-clock rates need idle cores)")
 
     one, many = RewardPool(workers=1), RewardPool(workers=args.workers)
     try:
-        start_one = timed(lambda: one.score(pairs[:1]))
-        start_many = timed(lambda: many.score(pairs[:1]))
+        start_one = timed(lambda: one.score([("1", "1")]))
+        start_many = timed(lambda: many.score([("1", "1")]))
         print(f"pool start-up (first call): 1 worker {start_one:.2f} s, {many.size} workers {start_many:.2f} s")
         for answer, gold in WARM_UP:  # the calling thread warms up as the workers did
             verify_answer(answer, gold)
@@ -77,10 +87,10 @@ def main() -> None:
         cpu = float("inf")  # CPU seconds of the calling-thread pass: the per-response cost, load or not
         for _ in range(args.repeats):
             cpu_start = time.process_time()
-            best["thread"] = min(best["thread"], timed(lambda: [verify_answer(a, g) for a, g in pairs]))
+            best["thread"] = min(best["thread"], timed(lambda: verify_in_thread(pairs)))
             cpu = min(cpu, time.process_time() - cpu_start)
-            best["one"] = min(best["one"], timed(lambda: one.score(pairs)))
-            best["many"] = min(best["many"], timed(lambda: many.score(pairs)))
+            best["one"] = min(best["one"], timed(lambda: rewards(responses, golds, pool=one)))
+            best["many"] = min(best["many"], timed(lambda: rewards(responses, golds, pool=many)))
         rate = {k: len(pairs) / v for k, v in best.items()}
         print(f"calling thread : {rate['thread']:8.1f} responses/s  ({1e3 * best['thread'] / len(pairs):.2f} ms each, "
               f"{1e3 * cpu / len(pairs):.2f} ms CPU)")

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from graft_exp import tracking
 from graft_exp.backends import get_trainer
-from graft_exp.config import ConfigError, register_schemas, validate
+from graft_exp.config import ConfigError, register_schemas, validate_job
 from graft_exp.driver import CheckpointError, check_newest_checkpoint
 
 log = logging.getLogger("graft_exp")
@@ -32,7 +32,7 @@ def check_launch_mode(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         check_launch_mode(cfg)
-        validate(cfg)
+        validate_job(cfg)   # the config, then this machine: backend=verl's extra, data, checkpoint root
         check_newest_checkpoint(cfg)
     except (ConfigError, CheckpointError) as err:
         # A bad override stops the whole sweep before any training, with one clear line.

@@ -2,7 +2,7 @@
 
 The root schema (``config_schema``, first in ``conf/config.yaml``'s defaults) types the top-level
 keys, so ``seed=abc`` or ``rerun=maybe`` fails at composition, before any run exists. The method
-schema is registered as ``method/schema``; every ``conf/method/*.yaml`` extends it (directly or
+schema is registered as ``method_schema``; every ``conf/method/*.yaml`` extends it (directly or
 through ``graft``), so a misspelt key in a method file or on the command line fails at
 composition. ``validate`` then checks the values and the combination (pair x method x backend)
 and raises ``ConfigError`` naming the fix.
@@ -10,7 +10,6 @@ and raises ``ConfigError`` naming the fix.
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 from omegaconf.errors import InterpolationResolutionError
+
+from graft_exp.extras import MissingExtra, require
 
 SELECTIONS = ("none", "balanced", "complementary", "rescue", "random_prompts", "all")
 PEER_LOSSES = ("none", "graft", "luffy", "nll", "hacpo")
@@ -168,7 +169,7 @@ class VerlBackendConfig:
 @dataclass
 class RootConfig:
     """The top-level keys of ``conf/config.yaml``: scalars typed here, groups by their schemas (pair,
-    train, eval here; method and backend by their group's ``schema`` / ``<name>_schema`` entries)."""
+    train, eval here; method and backend by ``method_schema`` / ``backend_<name>_schema``)."""
 
     seed: int = MISSING
     study: str = MISSING
@@ -187,9 +188,11 @@ class RootConfig:
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="config_schema", node=RootConfig)
-    store.store(group="method", name="schema", node=MethodConfig)
-    store.store(group="backend", name="local_schema", node=LocalBackendConfig)
-    store.store(group="backend", name="verl_schema", node=VerlBackendConfig)
+    # Outside the groups they type (conf files extend them as `/method_schema`, ...), so that neither
+    # --help nor tab completion offers them as a method or a backend.
+    store.store(name="method_schema", node=MethodConfig)
+    store.store(name="backend_local_schema", node=LocalBackendConfig)
+    store.store(name="backend_verl_schema", node=VerlBackendConfig)
 
 
 def minibatch_prompts(cfg: DictConfig) -> int:
@@ -314,21 +317,18 @@ def validate_method(cfg: DictConfig) -> None:
 
 
 def backend_installed(name: str) -> None:
-    """The backend's own packages: ``backend=verl`` needs verl (and its Ray/vLLM stack) in this environment."""
-    try:
-        found = importlib.util.find_spec(name) is not None if name == "verl" else True
-    except ImportError:
-        found = False
-    if not found:
-        raise ConfigError("backend=verl needs verl, which is not installed here: pip install -e '.[verl]' "
-                          "(on a GPU node), or use backend=local with pair=tiny")
+    """The backend's optional packages (graft_exp.extras): ``backend=verl`` needs the ``verl`` extra."""
+    if name == "verl":
+        try:
+            require("backend=verl")
+        except MissingExtra as err:
+            raise ConfigError(f"{err}; or use backend=local with pair=tiny") from None
 
 
 def validate_backend(cfg: DictConfig) -> None:
     """Pair x backend combinations that can run, and the backend's own keys."""
     backend, pair, train = cfg.backend, cfg.pair, cfg.train
     _choice(backend.name, BACKENDS, "backend")
-    backend_installed(backend.name)
     tiny_models = [pair[role] for role in ROLES if cfg.models[pair[role]].hf_id is None]
     if backend.name == "local":
         if pair.data != "tiny_arith" or len(tiny_models) < 2:
@@ -369,13 +369,19 @@ def validate_backend(cfg: DictConfig) -> None:
             raise ConfigError(f"backend.gpu_memory_utilization={backend.gpu_memory_utilization} must be in (0, 1]")
         if pair.data != "math":
             raise ConfigError(f"backend=verl trains on MATH; pair.data={pair.data!r} has no prepared Parquet")
-        data = Path(backend.data_dir)
-        missing = [str(data / f) for f in ("math/train.parquet", *(f"{b}/test.parquet" for b in pair.benchmarks))
-                   if not (data / f).is_file()]
-        if missing:
-            raise ConfigError(f"backend.data_dir={backend.data_dir} lacks {', '.join(missing)}: run "
-                              "`python -m graft_exp.prepare` first, or point backend.data_dir "
-                              "(GRAFT_DATA_DIR) at its output")
+
+
+def prepared_data(cfg: DictConfig) -> None:
+    """backend=verl reads what ``python -m graft_exp.prepare`` wrote under ``backend.data_dir``."""
+    if cfg.backend.name != "verl":
+        return
+    data = Path(cfg.backend.data_dir)
+    missing = [str(data / f) for f in ("math/train.parquet", *(f"{b}/test.parquet" for b in cfg.pair.benchmarks))
+               if not (data / f).is_file()]
+    if missing:
+        raise ConfigError(f"backend.data_dir={cfg.backend.data_dir} lacks {', '.join(missing)}: run "
+                          "`python -m graft_exp.prepare` first, or point backend.data_dir "
+                          "(GRAFT_DATA_DIR) at its output")
 
 
 def validate_checkpoint_root(root: str) -> None:
@@ -422,4 +428,17 @@ def validate(cfg: DictConfig) -> None:
     validate_train_eval(cfg)
     validate_method(cfg)
     validate_backend(cfg)
+
+
+def validate_environment(cfg: DictConfig) -> None:
+    """What a valid config needs of the machine it runs on: the backend's packages, its prepared data,
+    a writable checkpoint root. Reads only; nothing is created."""
+    backend_installed(cfg.backend.name)
+    prepared_data(cfg)
     validate_checkpoint_root(str(cfg.checkpoint_root))
+
+
+def validate_job(cfg: DictConfig) -> None:
+    """Everything checked before a job's run exists: the config (``validate``), then this machine."""
+    validate(cfg)
+    validate_environment(cfg)

@@ -23,10 +23,13 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from graft_exp.extras import MissingExtra, require
 from graft_exp.prompts import format_prompt
 from graft_exp.reward import last_boxed
 
 CATALOG = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "models.yaml"
+#: Training solutions without an answer that may be left out (the MATH release has 2 of 7,500).
+MAX_UNANSWERED = 10
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus")
 
@@ -64,9 +67,10 @@ SOURCES = {
 def gold_answer(record: dict, source: Source) -> str:
     """The reference answer of one record, as the LaTeX the reward verifies against.
 
-    ``source.gold`` says how the field holds it: ``latex`` (MATH-500, Minerva: the string itself),
+    ``source.gold`` says how the field holds it: ``latex`` (MATH-500, Minerva: the string itself, see ``latex_gold``),
     ``boxed`` (MATH's training split has no answer field: the last complete ``\\boxed{}`` of the worked
-    solution, extracted as the reward extracts a response's), ``integer`` (AIME: 0 to 999, leading zeros
+    solution, extracted as the reward extracts a response's; Python spellings become LaTeX, see
+    ``latex_gold``), ``integer`` (AIME: 0 to 999, leading zeros
     dropped) or ``number`` (AMC23 stores floats: ``27.0`` becomes ``27``). A gold that does not fit is
     an error here, not a silent zero reward at every step.
     """
@@ -74,9 +78,11 @@ def gold_answer(record: dict, source: Source) -> str:
     text = str(value).strip()
     if source.gold == "boxed":
         boxed = last_boxed(text)
+        if boxed is None and (bare := _BARE_BOX.findall(text)):
+            boxed = bare[-1]  # two training solutions box one digit without braces: ``$\\boxed 9$``
         if boxed is None or not boxed.strip():
             raise PrepareError(f"{source.key}: a solution has no \\boxed{{}} answer: {text[:120]!r}")
-        return boxed.strip()
+        return latex_gold(boxed)
     if source.gold == "integer":
         if not re.fullmatch(r"\d{1,3}", text):
             raise PrepareError(f"{source.key}: an AIME answer must be an integer 0-999, got {value!r}")
@@ -89,28 +95,69 @@ def gold_answer(record: dict, source: Source) -> str:
         return str(int(number)) if number.is_integer() else text
     if not text:
         raise PrepareError(f"{source.key}: a record has an empty {source.answer!r}")
-    return text
+    return latex_gold(text)
+
+
+_BARE_BOX = re.compile(r"\\boxed\s+([0-9a-zA-Z])(?![0-9a-zA-Z])")  # TeX's one-token argument, one character
+
+# A few of Minerva's golds are written in Python (numpy) rather than LaTeX; the reward reads LaTeX only.
+_PYTHON_FRACTION = re.compile(r"(?<![\w.])(\d+)\./(\d+)(?![\w.])")  # -1./3
+_NUMPY_FUNCTION = re.compile(r"\bnp\.(arcsin|arccos|arctan|sin|cos|tan|exp|log|sqrt)\b")  # np.arcsin(10/13)
+_EXP_CALL = re.compile(r"\\exp\s*\{")  # \exp{a*t}: \exp takes parentheses, braces are a power
+_STRAY_DOLLARS = re.compile(r"\$\s*\$")  # x_{0} \cos (\omega t)+$ $\dot{x}_{0} ...
+
+
+def latex_gold(text: str) -> str:
+    """A gold answer as LaTeX: the Python spellings some golds use become LaTeX, others are unchanged.
+
+    ``-1./3`` -> ``\\frac{1}{3}`` with its sign, ``np.arcsin(x)`` -> ``\\arcsin(x)``, ``\\exp{a*t}`` ->
+    ``e^{a \\cdot t}`` (a ``*`` is a product), and an empty math break ``$ $`` inside a gold is dropped.
+    """
+    text = _PYTHON_FRACTION.sub(r"\\frac{\1}{\2}", text)
+    text = _NUMPY_FUNCTION.sub(r"\\\1", text)
+    text = _EXP_CALL.sub("e^{", text)
+    text = _STRAY_DOLLARS.sub(" ", text)
+    return text.replace("*", " \\cdot ").strip()
 
 
 def verl_rows(records: Iterable[dict], source: Source) -> pd.DataFrame:
-    """verl's RL Parquet schema for ``records`` (dicts with the source's fields), in their order."""
-    rows = []
+    """verl's RL Parquet schema for ``records`` (dicts with the source's fields), in their order.
+
+    A training solution whose last box is empty has no gold: it is left out with a note on stderr, and
+    ``frame.attrs["unanswered"]`` counts it (MATH's training split has two, number theory 7115 and 7117,
+    ``... there are $\\boxed{}$ primes``). A benchmark's gold must be there.
+    """
+    rows, unanswered = [], []
     for index, record in enumerate(records):
         question = str(record[source.question]).strip()
+        try:
+            gold = gold_answer(record, source)
+        except PrepareError:
+            if source.gold != "boxed" or last_boxed(str(record[source.answer])) is None:
+                raise
+            unanswered.append(index)
+            continue
         rows.append({
             "data_source": source.key,
             "prompt": [{"role": "user", "content": format_prompt(question)}],
             "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": gold_answer(record, source)},
+            "reward_model": {"style": "rule", "ground_truth": gold},
             "extra_info": {"split": source.output, "index": index, "question": question},
         })
-    return pd.DataFrame(rows)
+    if unanswered:
+        print(f"{source.key}: left out {len(unanswered)} problem(s) whose solution boxes no answer "
+              f"(record {', '.join(map(str, unanswered))})", file=sys.stderr)
+    frame = pd.DataFrame(rows)
+    frame.attrs["unanswered"] = len(unanswered)
+    return frame
 
 
 def write_parquet(frame: pd.DataFrame, source: Source, data_dir: Path, check_rows: bool = True) -> Path:
     """Write one data set to ``<data_dir>/<key>/<output>.parquet`` (checking the paper's row count)."""
-    if check_rows and len(frame) != source.rows:
-        raise PrepareError(f"{source.key}: {source.hub_id} gave {len(frame)} rows, the paper's set has {source.rows}")
+    unanswered = frame.attrs.get("unanswered", 0)
+    if check_rows and (len(frame) + unanswered != source.rows or unanswered > MAX_UNANSWERED):
+        raise PrepareError(f"{source.key}: {source.hub_id} gave {len(frame) + unanswered} rows ({unanswered} without "
+                           f"an answer), the paper's set has {source.rows}")
     path = data_dir / source.key / f"{source.output}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(path, index=False)
@@ -163,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-models", action="store_true", help="fetch data only")
     args = parser.parse_args(argv)
     try:
+        require("python -m graft_exp.prepare")
         for key in [s for s in args.sets.split(",") if s]:
             if key not in SOURCES:
                 raise PrepareError(f"unknown data set {key!r}; choose from {', '.join(SOURCES)}")
             source = SOURCES[key]
-            path = write_parquet(verl_rows(load_records(source), source), source, args.data_dir)
-            print(f"{key}: {source.rows} problems -> {path}")
+            frame = verl_rows(load_records(source), source)
+            print(f"{key}: {len(frame)} problems -> {write_parquet(frame, source, args.data_dir)}")
         if not args.no_models:
             known = hub_models()
             for key in [m for m in args.models.split(",") if m]:
@@ -177,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key}: {fetch_model(known[key], args.model_dir / key)}")
     except PrepareError as err:
         print(f"prepare: {err}", file=sys.stderr)
+        return 2
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
         return 2
     return 0
 

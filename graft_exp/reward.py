@@ -11,10 +11,22 @@ What is verified (DESIGN.md "Rewards — traps measured here"):
 - Both the answer and the gold are handed to math-verify as delimited LaTeX, ``\\boxed{<text>}``, with
   LaTeX extraction only: a bare string would go to math-verify's plain-expression reader, which reads a
   leading number (``2`` "equals" ``2\\sqrt{3}``) and fails on ``\\frac{\\pi}{4}`` against itself.
-- Two normalisations math-verify's LaTeX reader lacks, applied to both sides: a plain number in
+- Normalisations math-verify's LaTeX reader lacks, applied to both sides: a plain number in
   e-notation (Minerva's golds, ``7.5e5``) becomes ``7.5\\times10^{5}`` (LaTeX would read ``e`` as Euler's
-  number), and a trailing percent sign is dropped, like the units and ``^\\circ`` math-verify already
-  drops (``25\\%`` and ``25`` agree; ``0.25`` does not).
+  number); a trailing percent sign is dropped, like the units and ``^\\circ`` math-verify already
+  drops (``25\\%`` and ``25`` agree; ``0.25`` does not); ``\\text {unit}`` loses the space before its
+  brace, so the unit is dropped as ``\\text{unit}`` is.
+- Numbers are compared by relative difference (``REL_TOL``), not by math-verify's rounding to six
+  decimals, which makes every number below ~5e-7 equal (Minerva's ``2.88e-19`` and ``1.325e-27``). When
+  both sides are numbers (no variable) and the gold is a measured quantity (written with a decimal point or in
+  e-notation), relative closeness decides; when the gold is exact (``\\frac{1}{3}``, ``\\pi/4``) a decimal
+  answer must be relatively close *and* pass math-verify's own comparison.
+- A symbol keeps one meaning on both sides: math-verify makes symbols complex or real per string (a
+  standalone ``i`` makes ``\\frac{e^{2 i t}}{(2+2 i)}`` complex, ``\\frac{e^{2it}}{(2+2i)}`` real), and
+  sympy holds the two ``t`` for different symbols; the answer's symbols take the gold's assumptions.
+- Text answers that math-verify cannot read as mathematics (``\\text{4:30 p.m.}``, ``\\text{A,D}``)
+  match when the two strings are the same after removing ``\\text{}`` wrappers, ``\\left``/``\\right``,
+  thin spaces, braces around one character (``E_{1}`` is ``E_1``) and spaces (except between two digits).
 - No box, an empty box, an unparsable answer or gold, a verification past ``VERIFY_TIMEOUT_S`` and a
   crashed verifier all score 0, as in the paper.
 
@@ -65,6 +77,15 @@ WARM_UP = (("1", "1"), ("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "\\sqrt{12}"), ("
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
 _TRAILING_PERCENT = re.compile(r"\s*\\?%\s*$")
+_SPACED_TEXT = re.compile(r"\\(text|textbf|textit|mathrm|mbox)\s+\{")
+_TEXT_OPEN = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox)\{")
+_LAYOUT = re.compile(r"\\left|\\right|\\[,!;: ]|~|\$")
+_ONE_CHARACTER_GROUP = re.compile(r"(?<!\\)\{(\w)\}")  # E_{1} is E_1: a macro's one-character argument
+_SPACE_NOT_BETWEEN_DIGITS = re.compile(r"(?<!\d)\s+|\s+(?!\d)")
+_MEASURED = re.compile(r"\d\.\d|\.\d|\d[eE][+-]?\d")
+#: Relative difference under which two numbers are equal: the usual graders of these benchmarks
+#: use 1e-4, looser than any rounding a gold states and tighter than a wrong leading digit.
+REL_TOL = 1e-4
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -92,7 +113,23 @@ def last_boxed(text: str) -> str | None:
 def as_latex(text: str) -> str:
     """``text`` (a boxed answer or a gold) as the delimited LaTeX math-verify is given, normalised."""
     text = _E_NOTATION.sub(r"\1\\times10^{\2}", text.strip())
+    text = _SPACED_TEXT.sub(r"\\\1{", text)
     return "\\boxed{" + _TRAILING_PERCENT.sub("", text) + "}"
+
+
+def plain_text(text: str) -> str:
+    """``text`` without ``\\text{}`` wrappers (their content kept), ``\\left``/``\\right``, thin spaces,
+    dollars and spaces (a space between two digits is kept: ``2 3`` is not ``23``)."""
+    text = _SPACED_TEXT.sub(r"\\\1{", text.strip())
+    while (match := _TEXT_OPEN.search(text)) is not None:
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += (text[i] == "{") - (text[i] == "}")
+            i += 1
+        closing = i - 1 if depth == 0 else len(text)
+        text = text[:match.start()] + text[match.end():closing] + text[closing + 1:]
+    text = _ONE_CHARACTER_GROUP.sub(r"\1", _LAYOUT.sub(" ", text))
+    return _SPACE_NOT_BETWEEN_DIGITS.sub("", text).strip()
 
 
 def _parse(text: str) -> list:
@@ -105,22 +142,66 @@ def _parse(text: str) -> list:
                  parsing_timeout=None)
 
 
-def _verify(gold_parsed: list, answer: str) -> float:
+def _numbers_verdict(gold, answer, measured: bool) -> bool | None:
+    """The verdict of the relative comparison when both sides are real numbers (no variable: ``1.6``,
+    ``2.88 \\cdot 10^{-19}``, ``\\arcsin(10/13)``) and the gold or the answer holds a decimal, else None
+    (math-verify decides). ``measured``: the gold is written as a decimal or in e-notation."""
+    from sympy import Basic, Float
+
+    if not (isinstance(gold, Basic) and isinstance(answer, Basic) and gold.is_number and answer.is_number):
+        return None
+    if not (measured or gold.has(Float) or answer.has(Float)):
+        return None
+    try:
+        gold_value, answer_value = float(gold.evalf(30)), float(answer.evalf(30))
+    except (TypeError, ValueError):  # complex, or not a number after all
+        return None
+    close = abs(gold_value - answer_value) <= REL_TOL * max(abs(gold_value), abs(answer_value))
+    if measured or gold.has(Float):
+        return close
+    return None if close else False  # an exact gold: close is necessary, math-verify decides the rest
+
+
+def _with_gold_symbols(gold, answer):
+    """``answer`` with each symbol replaced by the gold's symbol of the same name (see module doc)."""
+    from sympy import Basic, Symbol
+
+    if not (isinstance(gold, Basic) and isinstance(answer, Basic)):
+        return answer
+    by_name = {s.name: s for s in gold.atoms(Symbol)}
+    swap = {s: by_name[s.name] for s in answer.atoms(Symbol) if s.name in by_name and by_name[s.name] != s}
+    return answer.xreplace(swap) if swap else answer
+
+
+def _parse_gold(gold: str) -> tuple[list, bool]:
+    """The parsed gold and whether it is a measured quantity (a decimal or e-notation number)."""
+    return _parse(gold), bool(_MEASURED.search(gold))
+
+
+def _verify(gold: str, gold_parsed: tuple[list, bool], answer: str) -> float:
     from math_verify import verify
 
+    parsed, measured = gold_parsed
     answer_parsed = _parse(answer)
-    if not gold_parsed or not answer_parsed:
+    if not parsed or not answer_parsed:
         return 0.0
-    return float(verify(gold_parsed, answer_parsed, timeout_seconds=None))
+    answer_parsed = [_with_gold_symbols(parsed[0], answer_parsed[0]), *answer_parsed[1:]]
+    verdict = _numbers_verdict(parsed[0], answer_parsed[0], measured)
+    if verdict is not None:
+        return float(verdict)
+    if verify(parsed, answer_parsed, timeout_seconds=None):
+        return 1.0
+    return float(plain_text(answer) == plain_text(gold) != "")
 
 
 def verify_answer(answer: str, gold: str) -> float:
-    """1.0 if math-verify finds the boxed ``answer`` (its content) equivalent to ``gold``, else 0.0.
+    """1.0 if the boxed ``answer`` (its content) is equivalent to ``gold``, else 0.0 (math-verify with
+    the normalisations of the module doc).
 
     Runs in the calling thread with no timeout and no cache: this is what a worker of ``RewardPool``
     runs; callers that need the timeout use ``rewards``.
     """
-    return _verify(_parse(gold), answer)
+    return _verify(gold, _parse_gold(gold), answer)
 
 
 def serve() -> None:
@@ -145,12 +226,12 @@ def serve() -> None:
         verify_answer(answer, gold)
     channel.write("ready\n")
     for line in sys.stdin:
-        golds: dict[str, list] = {}  # a group's n responses share one gold: parse it once per chunk
+        golds: dict[str, tuple[list, bool]] = {}  # a group's n responses share one gold: parse it once per chunk
         for answer, gold in json.loads(line):
             try:
                 if gold not in golds:
-                    golds[gold] = _parse(gold)
-                score = _verify(golds[gold], answer)
+                    golds[gold] = _parse_gold(gold)
+                score = _verify(gold, golds[gold], answer)
             except Exception:  # noqa: BLE001 -- math-verify catches its own; anything left (MemoryError) scores 0
                 score = 0.0
             channel.write(f"{score}\n")
@@ -168,9 +249,11 @@ class _Worker:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                                           os.environ.get("PYTHONPATH")]))}
+        # `python -c` puts its working directory first on sys.path: started in the package root, a worker
+        # imports this graft_exp, not another checkout's that the caller's directory happens to hold.
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from graft_exp.reward import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=False)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=_PACKAGE_ROOT, text=False)
         self.fd = self.process.stdout.fileno()
         self.buffer = b""
         self.ready = False

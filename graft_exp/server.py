@@ -41,6 +41,8 @@ from pathlib import Path
 
 import requests
 
+from graft_exp.extras import MissingExtra, require
+
 ADMIN = "admin"
 DB_USER = "mlflow"
 DATABASES = ("mlflow", "mlflow_auth")   # runs; the auth app's users and permissions
@@ -525,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layout = Layout(args.dir.resolve())
     try:
+        if args.command in ("start", "add-user"):   # both talk to PostgreSQL
+            require("python -m graft_exp.server")
         if args.command == "start":
             for flag, value in (("--port", args.port), ("--pg-port", args.pg_port)):
                 if not 0 < value < 65536:
@@ -548,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"credentials in {path} (0600). For jobs: install -D -m 600 {path} ~/.mlflow/credentials")
     except ServerError as err:
         print(f"graft_exp.server: {err}", file=sys.stderr)
+        return 2
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
         return 2
     return 0
 

@@ -51,6 +51,19 @@ def no_ambient_tracking_server():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def own_home(tmp_path_factory):
+    """The session's own HOME, and none of the caller's Ray authentication settings: a ``~/.ray/auth_token``
+    (which Ray reads, and writes on a plain ``ray.init``) or ``RAY_AUTH_*`` of the caller's never decide
+    a test's outcome, and no test writes to the caller's home."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HOME", str(home))
+        for key in [k for k in os.environ if k.startswith("RAY_AUTH_")]:
+            env.delenv(key)
+        yield home
+
+
 # --- Slurm: the session's own cluster; a real one only when asked ------------------------------------
 # The service tests never submit to a Slurm they did not start: `sinfo` answering on a login node is the
 # site's cluster, not ours. They start a private cluster (tests/private_slurm.py) or, with

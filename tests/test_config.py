@@ -7,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
 
-from graft_exp.config import ConfigError, validate
+from graft_exp.config import ConfigError, prepared_data, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
@@ -26,7 +26,7 @@ def test_every_design_method_has_a_config():
 
 
 @pytest.fixture(scope="module")
-def prepared_data(tmp_path_factory) -> str:
+def prepared_data_dir(tmp_path_factory) -> str:
     """Where ``python -m graft_exp.prepare`` would have written MATH and the benchmarks (the files'
     presence is what validation checks)."""
     root = tmp_path_factory.mktemp("data")
@@ -38,8 +38,8 @@ def prepared_data(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("method", METHODS)
-def test_every_pair_and_method_composes_and_validates(compose_cfg, pair, method, prepared_data):
-    backend = ["backend=local"] if pair == "tiny" else ["backend=verl", f"backend.data_dir={prepared_data}"]
+def test_every_pair_and_method_composes_and_validates(compose_cfg, pair, method):
+    backend = ["backend=local"] if pair == "tiny" else ["backend=verl"]
     cfg = compose_cfg(f"pair={pair}", f"method={method}", *backend)
     validate(cfg)
     assert cfg.method.name == method
@@ -47,12 +47,13 @@ def test_every_pair_and_method_composes_and_validates(compose_cfg, pair, method,
 
 
 @pytest.mark.parametrize("pair", ["pair1", "pair2", "pair3"])
-def test_paper_pairs_run_on_verl_only(compose_cfg, pair, prepared_data):
-    validate(compose_cfg(f"pair={pair}", "backend=verl", f"backend.data_dir={prepared_data}"))
+def test_paper_pairs_run_on_verl_only(compose_cfg, pair, prepared_data_dir):
+    validate(compose_cfg(f"pair={pair}", "backend=verl"))
     with pytest.raises(ConfigError, match=f"pair={pair} needs GPUs: use backend=verl"):
         validate(compose_cfg(f"pair={pair}"))
     with pytest.raises(ConfigError, match="lacks .*math/train.parquet.*python -m graft_exp.prepare"):
-        validate(compose_cfg(f"pair={pair}", "backend=verl", "backend.data_dir=/nonexistent"))
+        prepared_data(compose_cfg(f"pair={pair}", "backend=verl", "backend.data_dir=/nonexistent"))
+    prepared_data(compose_cfg(f"pair={pair}", "backend=verl", f"backend.data_dir={prepared_data_dir}"))
 
 
 def test_paper_defaults(compose_cfg):

@@ -116,6 +116,19 @@ def test_start_returns_at_once_and_close_stops_the_workers():
     pool.close()
 
 
+def test_workers_import_this_package_whatever_the_working_directory(tmp_path, monkeypatch):
+    """A caller in a directory holding another graft_exp (an older checkout) still gets this reward."""
+    (tmp_path / "graft_exp").mkdir()
+    (tmp_path / "graft_exp" / "__init__.py").write_text("raise ImportError('the other checkout')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = RewardPool(workers=1)
+    try:
+        assert rewards(["\\boxed{2.88e-18}", "\\boxed{4:30 \\text{ p.m.}}"], ["2.88e-19", "\\text{4:30 p.m.}"],
+                       pool=pool) == [0.0, 1.0]
+    finally:
+        pool.close()
+
+
 def test_a_worker_killed_between_batches_is_replaced(pool):
     rewards(["\\boxed{1}"], ["1"], pool=pool)
     victim = next(w for w in pool._workers if w.ready)  # as the OOM killer would pick it

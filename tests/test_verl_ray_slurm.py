@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,18 +102,25 @@ def test_emitted_commands_for_an_allocation(slurm, tmp_path):
 
 @pytest.mark.service
 @pytest.mark.slow
-def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp_path, record_property):
+def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp_path, record_property,
+                                                                 monkeypatch):
     """``sbatch_script(nodes=2, ...)`` on two Slurm nodes that are separate network hosts: the Ray head on node
     1, the worker on node 2, each with the CPUs and GPUs Slurm gave it; then, in place of the training job
     (same overrides), tests/verl_placement_probe.py runs the verl backend up to its first GPU need: both
-    models' resource pools are placed, across both nodes, on every GPU of the allocation."""
+    models' resource pools are placed, across both nodes, on every GPU of the allocation. Submitted by a
+    user whose home holds another cluster's token and whose environment disables Ray's authentication:
+    head, worker and driver use the job's own token, and that home is left as it was."""
+    home, foreign = foreign_home(tmp_path)
+    for key, value in {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": foreign}.items():
+        monkeypatch.setenv(key, value)
     if not own_slurm.multi_host:
         pytest.skip("two Slurm nodes as separate hosts need network namespaces (ip netns), unavailable here")
     gpus, cpus = 2, 6      # per node; verl's bundles ask Ray for 3 CPUs per GPU
     overrides = ["pair=pair1", "method=graft", "backend.gpus_per_model=1", "backend.rollout_tp=1",
                  f"checkpoint_root={tmp_path / 'checkpoints'}"]
     script = sbatch_script(2, gpus, cpus, overrides, time="00:15:00",
-                           setup=[f"export PATH={Path(sys.executable).parent}:$PATH"]).splitlines()
+                           setup=[f"export PATH={Path(sys.executable).parent}:$PATH"],
+                           jobs_dir=str(tmp_path / "jobs")).splitlines()
     train = script[-2]
     assert train.startswith("python -m graft_exp ") and " backend.nnodes=2 pair.gpus=2 " in train
     script[-2] = train.replace("python -m graft_exp", f"python {PROBE}", 1)
@@ -155,3 +163,68 @@ def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp
     assert placement["free"].get("GPU", 0) == 0
     # Ray actors get verl's PPO runtime environment and the job's token for its socket names.
     assert placement["actor_env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1" and placement["actor_env"]["GRAFT_JOB_TOKEN"]
+    # Ray's authentication: the job's own token (0600 in its directory), never the caller's.
+    token_file = tmp_path / "jobs" / job / "ray_auth_token"
+    assert placement["driver_auth"] == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
+                                        "RAY_AUTH_TOKEN": None}
+    assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.read_text() != foreign
+    assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
+    assert (home / ".ray" / "auth_token").read_text() == foreign
+
+
+def foreign_home(root: Path) -> tuple[Path, str]:
+    """A home whose ``~/.ray/auth_token`` holds someone else's token (what a local ``ray.init`` leaves)."""
+    home, token = root / "foreign-home", "f" * 64
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(token)
+    return home, token
+
+
+def ray_client(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A process that joins the Ray cluster at ``address`` and runs one task there."""
+    code = (f"import ray; ray.init(address={address!r}, log_to_driver=False); "
+            "print('RAN', ray.get(ray.remote(lambda: 6 * 7).remote()))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          env={**env, "PATH": os.environ["PATH"]})
+
+
+@pytest.mark.slow
+def test_a_jobs_ray_admits_only_its_own_token(tmp_path):
+    """A one-node job's private Ray (``start_local_ray``) started by a caller whose home and environment
+    carry a foreign token and ``RAY_AUTH_MODE=disabled``: the cluster uses the job's own token, 0600 in
+    the job's directory; a process without it (no token, or the caller's) is refused, one with it runs a
+    task; the caller's ``~/.ray`` is left as it was."""
+    home, foreign = foreign_home(tmp_path)
+    job_dir, temp = tmp_path / "run", tempfile.mkdtemp(prefix="graft-ray-", dir="/tmp")
+    caller = {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": foreign,
+              "OMP_NUM_THREADS": "1", "PATH": os.environ["PATH"]}
+    job_code = ("import sys, ray\n"
+                "from graft_exp.backends.verl.ray_slurm import start_local_ray\n"
+                f"start_local_ray(0, job_dir={str(job_dir)!r}, init_kwargs={{'_temp_dir': {temp!r}, 'num_cpus': 1}})\n"
+                "print('ADDRESS', ray.get_runtime_context().gcs_address, flush=True)\n"
+                "sys.stdin.read()\n")
+    job = subprocess.Popen([sys.executable, "-c", job_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=caller)
+    try:
+        line = job.stdout.readline()
+        assert line.startswith("ADDRESS "), job.stderr.read() if job.poll() is not None else line
+        address = line.split()[1]
+        token_file = job_dir / "ray_auth_token"
+        assert token_file.stat().st_mode & 0o777 == 0o600 and len(token_file.read_text()) == 64
+        assert token_file.read_text() != foreign
+
+        no_token = ray_client(address, {"HOME": str(tmp_path / "empty-home")})
+        callers_token = ray_client(address, caller | {"RAY_AUTH_MODE": "token"})
+        for refused in (no_token, callers_token):
+            assert refused.returncode != 0 and "RAN" not in refused.stdout
+            assert "AuthenticationError" in refused.stderr or "Authentication" in refused.stderr, refused.stderr[-2000:]
+        admitted = ray_client(address, {"HOME": str(tmp_path / "empty-home"), "RAY_AUTH_MODE": "token",
+                                        "RAY_AUTH_TOKEN_PATH": str(token_file)})
+        assert admitted.returncode == 0 and "RAN 42" in admitted.stdout, admitted.stderr[-2000:]
+    finally:
+        job.communicate(input="", timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
+    assert (home / ".ray" / "auth_token").read_text() == foreign
+    assert not (tmp_path / "empty-home" / ".ray").exists()

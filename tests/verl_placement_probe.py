@@ -28,7 +28,7 @@ with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / 
 models = [VerlModel(role, verl_config(cfg, role, str(Path(cfg.checkpoint_root) / role)),
                     LossSpec.from_method(cfg.method)) for role in ("A", "B")]
 # As backends/verl/backend.create starts it: verl's runtime environment and this job's token on every actor.
-start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
+start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=cfg.checkpoint_root, address=cfg.backend.ray_address,
                 init_kwargs=ray_init_kwargs(models[0].config))
 
 
@@ -44,5 +44,6 @@ for name, pool in resource_pools(models).resource_pool_dict.items():
 nodes = {n["NodeID"]: {"ip": n["NodeManagerAddress"], "CPU": n["Resources"].get("CPU", 0),
                        "GPU": n["Resources"].get("GPU", 0), "head": "node:__internal_head__" in n["Resources"]}
          for n in ray.nodes() if n["Alive"]}
+auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
 print("PLACEMENT " + json.dumps({"nodes": nodes, "pools": placed, "free": ray.available_resources(),
-                                 "actor_env": ray.get(actor_env.remote())}), flush=True)
+                                 "actor_env": ray.get(actor_env.remote()), "driver_auth": auth}), flush=True)

@@ -38,7 +38,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import scheduler, tracking
-from graft_exp.config import ConfigError, validate
+from graft_exp.config import ConfigError, validate_job
 from graft_exp.launching import status
 
 log = logging.getLogger("graft_exp.launch")
@@ -220,7 +220,7 @@ class LaunchCallback(Callback):
         problems = []
         for job in jobs:
             try:
-                validate(job.cfg)
+                validate_job(job.cfg)
             except ConfigError as err:
                 problems.append(f"  job {job.label}: {err}")
         if problems:

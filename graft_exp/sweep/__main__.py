@@ -36,7 +36,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from graft_exp import tracking
-from graft_exp.config import ConfigError, validate
+from graft_exp.config import ConfigError, validate_job
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import SweepError, plan
 from graft_exp.sweep.state import console, report, snapshot
@@ -47,7 +47,7 @@ def invalid_jobs(sweep) -> list[str]:
     problems = []
     for sj in sweep.jobs:
         try:
-            validate(sj.job.cfg)
+            validate_job(sj.job.cfg)
         except ConfigError as err:
             problems.append(f"  job #{sj.index} {sj.job.label}: {err}")
     return problems

@@ -210,7 +210,7 @@ def create(cfg: DictConfig, roles: list[str]) -> VerlBackend:
     backend = VerlBackend(cfg, roles)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
-    start_local_ray(num_gpus=int(cfg.pair.gpus), address=cfg.backend.ray_address,
+    start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=backend.dir, address=cfg.backend.ray_address,
                     init_kwargs=ray_init_kwargs(backend.models[roles[0]].config))
     with_ref = spec_needs_reference(backend.spec)
     start_models(list(backend.models.values()), with_ref=with_ref)

@@ -10,12 +10,19 @@ node has joined with its GPUs, and runs one training job on the head node agains
 
     python -m graft_exp.backends.verl.ray_slurm --nodes 2 --gpus-per-node 4 --partition gpu \\
         --time 2-00:00:00 --submit -- pair=pair1 method=graft seed=0
+
+Every Ray cluster started here uses Ray's token authentication with a token of its own, generated per job
+and kept 0600 in the job's directory (``new_ray_token``): a Ray port on a shared cluster network would
+otherwise run any code sent to it. The token reaches the head, the workers and the driver explicitly
+(``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH``, ``ray_auth_env``); a token of the caller's
+(``~/.ray/auth_token``, ``RAY_AUTH_TOKEN``) is never read, and nothing is written to ``~/.ray``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shlex
 import socket
 import subprocess
@@ -25,6 +32,41 @@ from dataclasses import dataclass
 
 RAY_PORT = 6379
 MODULE = "graft_exp.backends.verl.ray_slurm"
+#: The job's Ray token, in the job's directory (the run directory; a multi-node job's ``ray_job_dir``).
+RAY_TOKEN_FILE = "ray_auth_token"
+#: Default parent of the multi-node jobs' directories, relative to the submission directory.
+JOBS_DIR = "graft-ray-jobs"
+
+
+def new_ray_token(directory: str | os.PathLike) -> str:
+    """Generate a fresh Ray token (256 random bits) into ``<directory>/ray_auth_token``, readable by its
+    owner only (0600, written before it holds the token), replacing an older one; returns its path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, RAY_TOKEN_FILE)
+    staged = f"{path}.{os.getpid()}"
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.replace(staged, path)
+    return path
+
+
+def ray_auth_env(token_path: str) -> dict[str, str]:
+    """The environment that makes Ray (``ray start``, ``ray.init``) authenticate with ``token_path`` only.
+    Ray reads ``RAY_AUTH_TOKEN`` before the path: whoever applies this must also drop that variable."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def use_ray_token(token_path: str) -> None:
+    """Make this process (and the Ray processes it starts) authenticate with the job's token only, whatever
+    the caller's environment or ``~/.ray/auth_token`` hold; Ray's cached settings are refreshed so that a
+    process which used Ray before also switches."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(ray_auth_env(token_path))
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @dataclass(frozen=True)
@@ -120,9 +162,12 @@ def allocation_nodes(nodelist: str) -> tuple[str, ...]:
 
 def sbatch_script(cluster_nodes: int, gpus_per_node: int, cpus_per_node: int, overrides: list[str], *,
                   partition: str | None = None, account: str | None = None, time: str = "2-00:00:00",
-                  job_name: str = "graft-verl", setup: list[str] | None = None, port: int = RAY_PORT) -> str:
+                  job_name: str = "graft-verl", setup: list[str] | None = None, port: int = RAY_PORT,
+                  jobs_dir: str = JOBS_DIR) -> str:
     """An sbatch script that starts Ray across ``cluster_nodes`` nodes and runs one verl training job
-    (``python -m graft_exp <overrides> backend=verl backend.ray_address=auto``) on the head node."""
+    (``python -m graft_exp <overrides> backend=verl backend.ray_address=auto``) on the head node.
+    ``jobs_dir`` (relative: to the submission directory) holds each job's directory with its Ray token;
+    every node must see it (a shared filesystem, as for the job's log)."""
     if min(cluster_nodes, gpus_per_node, cpus_per_node) < 1:
         raise ValueError(f"a multi-node verl job needs at least 1 node, GPU and CPU per node; got nodes="
                          f"{cluster_nodes}, gpus_per_node={gpus_per_node}, cpus_per_node={cpus_per_node}")
@@ -138,9 +183,10 @@ def sbatch_script(cluster_nodes: int, gpus_per_node: int, cpus_per_node: int, ov
     train = ["python", "-m", "graft_exp", *overrides, "backend=verl", "backend.ray_address=auto",
              f"backend.nnodes={cluster_nodes}", f"pair.gpus={gpus_per_node}"]
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail", *(setup or []),
-             # The Ray commands of this allocation come from RayCluster (one source for tests and jobs).
+             # The Ray commands of this allocation come from RayCluster (one source for tests and jobs); the
+             # job's Ray token is exported to every later step (srun passes the environment on).
              (f'eval "$(python -m {MODULE} --emit-ray-commands --gpus-per-node {gpus_per_node} '
-              f'--cpus-per-node {cpus_per_node} --port {port})"'),
+              f'--cpus-per-node {cpus_per_node} --port {port} --jobs-dir {shlex.quote(jobs_dir)})"'),
              'eval "$RAY_HEAD" &', 'eval "$RAY_WAIT_HEAD"',
              'if [ -n "$RAY_WORKERS" ]; then eval "$RAY_WORKERS" & fi',
              'eval "$RAY_WAIT"', 'export RAY_ADDRESS="$RAY_HEAD_ADDRESS"',
@@ -150,23 +196,38 @@ def sbatch_script(cluster_nodes: int, gpus_per_node: int, cpus_per_node: int, ov
     return "\n".join(lines) + "\n"
 
 
-def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: int = RAY_PORT) -> str:
+def ray_job_dir(jobs_dir: str) -> str:
+    """This allocation's own directory under ``jobs_dir``: its Slurm job id (a requeued job reuses it)."""
+    return os.path.join(os.path.abspath(jobs_dir), os.environ["SLURM_JOB_ID"])
+
+
+def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: int = RAY_PORT,
+                                jobs_dir: str = JOBS_DIR) -> str:
     """Shell assignments (RAY_HEAD, RAY_WAIT_HEAD, RAY_WORKERS, RAY_WAIT, RAY_HEAD_ADDRESS) for the current
-    allocation. Run by the batch script, i.e. on the head node: the head's address is its own name
-    resolved there (as the other nodes resolve it), Ray's files go to a short per-job directory."""
+    allocation, and the exports that give every later command the job's new Ray token (``ray_auth_env``;
+    a caller's ``RAY_AUTH_TOKEN`` unset). Run by the batch script, i.e. on the head node: the head's address
+    is its own name resolved there (as the other nodes resolve it), Ray's files go to a short per-job
+    directory."""
     nodes = allocation_nodes(os.environ["SLURM_JOB_NODELIST"])
     cluster = RayCluster(nodes, gpus_per_node, cpus_per_node, port, head_ip=socket.gethostbyname(nodes[0]),
                          temp_dir=f"/tmp/graft-ray-{os.environ['SLURM_JOB_ID']}")
     values = {"RAY_HEAD": shlex.join(cluster.srun_head()), "RAY_WAIT_HEAD": shlex.join(cluster.wait_command(1)),
               "RAY_WORKERS": shlex.join(cluster.srun_workers()) if cluster.srun_workers() else "",
               "RAY_WAIT": shlex.join(cluster.wait_command()), "RAY_HEAD_ADDRESS": cluster.address}
-    return "\n".join(f"{k}={shlex.quote(v)}" for k, v in values.items())
+    auth = ray_auth_env(new_ray_token(ray_job_dir(jobs_dir)))
+    return "\n".join([*(f"{k}={shlex.quote(v)}" for k, v in values.items()), "unset RAY_AUTH_TOKEN",
+                      *(f"export {k}={shlex.quote(v)}" for k, v in auth.items())])
 
 
-def start_local_ray(num_gpus: int, address: str | None = None, init_kwargs: dict | None = None) -> None:
+def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | None = None,
+                    init_kwargs: dict | None = None) -> None:
     """Connect to Ray for one job: ``address`` ("auto": the allocation's cluster) or a private Ray on
     this node with ``num_gpus`` GPUs. A job spread over several Slurm nodes needs the sbatch script.
-    ``init_kwargs``: ``config.ray_init_kwargs`` (verl's runtime environment; a private Ray's own temp dir)."""
+    ``init_kwargs``: ``config.ray_init_kwargs`` (verl's runtime environment; a private Ray's own temp dir).
+
+    A private Ray authenticates with a new token in ``job_dir`` (``new_ray_token``). A cluster joined by
+    address is reached with the token its starter gave this process: the ray_slurm script's
+    (``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN_PATH``), or, for a cluster of the user's own, the user's."""
     import ray
 
     if ray.is_initialized():
@@ -179,6 +240,7 @@ def start_local_ray(num_gpus: int, address: str | None = None, init_kwargs: dict
     if int(os.environ.get("SLURM_NNODES", "1")) > 1:
         raise RuntimeError("this Slurm job spans several nodes but backend.ray_address is null: launch "
                            "multi-node verl jobs with `python -m graft_exp.backends.verl.ray_slurm`")
+    use_ray_token(new_ray_token(job_dir))
     ray.init(num_gpus=num_gpus, include_dashboard=False, **init_kwargs)
 
 
@@ -191,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--account")
     parser.add_argument("--time", default="2-00:00:00")
     parser.add_argument("--port", type=int, default=RAY_PORT)
+    parser.add_argument("--jobs-dir", default=JOBS_DIR,
+                        help="where each job keeps its Ray token, in a directory named by its Slurm job id "
+                             "(relative: to the submission directory; must be on a filesystem every node sees)")
     parser.add_argument("--setup", action="append", default=[], help="shell line run first (module load ...)")
     parser.add_argument("--submit", action="store_true", help="sbatch the script instead of printing it")
     parser.add_argument("--emit-ray-commands", action="store_true", help=argparse.SUPPRESS)
@@ -202,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_ray(args.wait_for, args.nodes, args.cpus_per_node, args.gpus_per_node, args.timeout)
         return 0
     if args.emit_ray_commands:
-        print(ray_commands_for_allocation(args.gpus_per_node, args.cpus_per_node, args.port))
+        print(ray_commands_for_allocation(args.gpus_per_node, args.cpus_per_node, args.port, args.jobs_dir))
         return 0
     try:
         script = sbatch_script(args.nodes, args.gpus_per_node, args.cpus_per_node, args.overrides,
                                partition=args.partition, account=args.account, time=args.time, setup=args.setup,
-                               port=args.port)
+                               port=args.port, jobs_dir=args.jobs_dir)
     except ValueError as err:
         parser.error(str(err))
     if not args.submit:

@@ -1,0 +1,96 @@
+"""Optional features without their dependencies, and the options a user is offered.
+
+Each entry point of an optional feature runs in a fresh interpreter whose import system refuses that
+feature's modules (a ``sitecustomize`` on ``PYTHONPATH`` installs the refusing finder first): it must stop
+with one line naming the ``pip install`` that fixes it, no traceback, nothing created. ``--help`` and tab
+completion offer only what a user may choose: the typed schemas stay out of the groups."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graft_exp.extras import FEATURES
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKER = '''
+import os, sys
+HIDDEN = set(os.environ["GRAFT_TEST_HIDDEN_MODULES"].split(","))
+
+class Refuse:
+    """As if the packages were not installed."""
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Refuse())
+'''
+
+
+def run_without(modules: tuple[str, ...], args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    (tmp_path / "hide").mkdir(exist_ok=True)
+    (tmp_path / "hide" / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), str(ROOT)]),
+           "GRAFT_TEST_HIDDEN_MODULES": ",".join(modules), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=False,
+                          env=env, cwd=tmp_path)
+
+
+def test_the_blocker_hides_what_it_names(tmp_path):
+    done = run_without(("datasets",), ["-c", "import datasets"], tmp_path)
+    assert done.returncode == 1 and "ModuleNotFoundError: No module named 'datasets'" in done.stderr
+
+
+@pytest.mark.parametrize(("feature", "args", "created"), [
+    ("python -m graft_exp.prepare", ["-m", "graft_exp.prepare", "--data-dir", "data", "--model-dir", "models"], ["data", "models"]),
+    ("python -m graft_exp.server", ["-m", "graft_exp.server", "start", "--dir", "srv", "--host", "127.0.0.1"], ["srv"]),
+    ("backend=verl", ["-m", "graft_exp", "backend=verl", "pair=pair1", "tracking=sqlite",
+                      "checkpoint_root=ckpt"], ["ckpt", "mlruns.db"]),
+])
+def test_a_missing_optional_dependency_stops_with_the_install_line(feature, args, created, tmp_path):
+    extra, modules = FEATURES[feature]
+    done = run_without(modules, args, tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    fix = f"pip install 'graft_exp[{extra}]'"
+    (line,) = [x for x in output.splitlines() if fix in x]
+    assert f"{feature} needs {', '.join(modules)}, not installed here" in line
+    assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+    assert not [name for name in created if (tmp_path / name).exists()]
+
+
+def test_help_and_completion_offer_only_choosable_options(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    shown = subprocess.run([sys.executable, "-m", "graft_exp", "--help"], capture_output=True, text=True,
+                           timeout=300, check=True, env=env, cwd=tmp_path).stdout
+    groups = dict(line.split(": ", 1) for line in shown.split("== Config ==")[0].splitlines() if ": " in line)
+    assert groups["backend"] == "local, verl"
+    assert "graft" in groups["method"].split(", ") and "schema" not in shown
+    for word, expected in (("backend=", {"backend=local", "backend=verl"}), ("method=", None)):
+        completion = subprocess.run([sys.executable, "-m", "graft_exp", "-sc", "query=bash"], capture_output=True,
+                                    text=True, timeout=300, check=True, cwd=tmp_path,
+                                    env={**env, "COMP_LINE": f"graft_exp {word}"}).stdout.split()
+        assert completion and not [c for c in completion if "schema" in c], completion
+        if expected:
+            assert set(completion) == expected
+
+
+@pytest.mark.parametrize("override", ["method=schema", "backend=verl_schema", "backend=local_schema"])
+def test_a_schema_is_not_an_option(compose_cfg, override):
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException):
+        compose_cfg(override)
+
+
+@pytest.mark.parametrize("override", ["method.gatee=false", "backend.threadz=2"])
+def test_the_schemas_still_type_their_groups(compose_cfg, override):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as failed:
+        compose_cfg(override)
+    key, schema = override.split("=")[0].split(".")[1], "MethodConfig" if "method" in override else "LocalBackendConfig"
+    assert f"Key '{key}' not in '{schema}'" in str(failed.value.__cause__)
