@@ -133,8 +133,27 @@ class Backend(Protocol):
 
 # ---------------------------------------------------------------------------------------- seeds, data
 def total_steps(cfg: DictConfig, num_problems: int) -> int:
-    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split."""
-    return int(cfg.train.max_steps or cfg.train.total_epochs * num_problems // int(cfg.train.batch_prompts))
+    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split of
+    whole batches (the last partial batch of an epoch is dropped, as verl's dataloader does: 7,500 MATH
+    problems at 128 prompts per step are 58 steps an epoch, 174 in three)."""
+    batches_per_epoch = num_problems // int(cfg.train.batch_prompts)
+    return int(cfg.train.max_steps or cfg.train.total_epochs * batches_per_epoch)
+
+
+def check_newest_checkpoint(cfg: DictConfig) -> None:
+    """Before the job's run is opened: the newest checkpoint of this run key, which a resumed job would
+    load, has a readable loop state (a truncated or foreign one would fail the job after it started)."""
+    root = Path(cfg.checkpoint_root) / tracking.run_key(cfg)
+    found = sorted((p for p in root.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")),
+                   key=lambda p: int(p.name.split("-")[1])) if root.is_dir() else []
+    if not found:
+        return
+    try:
+        json.loads((found[-1] / "driver.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {found[-1]} cannot be loaded ({type(err).__name__}: {err}). Delete it to resume "
+            "from the previous one (or from scratch), or launch again with rerun=true for a fresh run") from None
 
 
 def derive_seed(*parts) -> int:
@@ -149,13 +168,17 @@ def generator(*parts) -> torch.Generator:
 
 class PromptStream:
     """The training prompts in a seeded order: a fresh permutation each epoch, batches consecutive.
-    The order depends only on the seed, so every method with the same seed sees the same batches
-    (what ``graft_stored`` replay relies on)."""
+    A batch never crosses an epoch boundary: the permutation's tail too short for it is skipped, as
+    verl's dataloader drops the last partial batch. The order depends only on the seed, so every
+    method with the same seed sees the same batches (what ``graft_stored`` replay relies on)."""
 
     def __init__(self, problems: Sequence, seed: int, cursor: int = 0):
         self.problems, self.seed, self.cursor = problems, seed, cursor
 
     def next(self, size: int) -> list:
+        epoch, index = divmod(self.cursor, len(self.problems))
+        if index + size > len(self.problems):
+            self.cursor = (epoch + 1) * len(self.problems)
         out = []
         for _ in range(size):
             epoch, index = divmod(self.cursor, len(self.problems))
@@ -423,6 +446,7 @@ class Driver:
                                     "device_seconds": m.device_seconds, "positive_rates": m.positive_rates}
                              for role, m in self.members.items()}}
         self.root.mkdir(parents=True, exist_ok=True)
+        self.remove_interrupted_writes()
         tmp = Path(tempfile.mkdtemp(prefix=f"ckpt-{step}-", suffix=".tmp", dir=self.root))
         self.backend.save(tmp, step)
         (tmp / "driver.json").write_text(json.dumps(state))
@@ -434,8 +458,16 @@ class Driver:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def remove_interrupted_writes(self) -> None:
+        """Delete ``ckpt-*.tmp`` directories a killed job left half-written (tens of GB on verl)."""
+        for tmp in self.root.glob("ckpt-*.tmp"):
+            log.info("removing the interrupted checkpoint write %s", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def load_checkpoint(self) -> None:
         """Continue from the newest checkpoint of this run key, if any."""
+        if self.root.is_dir():
+            self.remove_interrupted_writes()
         found = self.checkpoints()
         if not found:
             return
