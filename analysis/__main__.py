@@ -96,6 +96,8 @@ def cmd_tables(args) -> None:
         paths = [p for table in tables.build_all(a).values() for p in render.write_table(table, args.out)]
         paths.append(render.write_preamble(args.out))
         console.print(f"wrote {len(tables.BUILDERS)} tables to {args.out}")
+        for line in a.mixed_environments():   # library versions or GPUs differ between runs of one table
+            console.print(f"[yellow]warning:[/] {line}", soft_wrap=True)
         return paths
 
     _write(args, "tables", a, write)

@@ -38,6 +38,21 @@ class Analysis:
 
     store: RunStore
     missing: list[Missing] = field(default_factory=list)
+    used: dict[str, set[str]] = field(default_factory=dict)   # table label -> the model runs its cells read
+
+    def mixed_environments(self) -> list[str]:
+        """One line per table whose runs come from different environments (``graft.env.*``), naming
+        each difference and how many runs had each value."""
+        columns = [c for c in self.store.runs.columns if c.startswith("env:")]
+        lines = []
+        for table, run_ids in sorted(self.used.items()):
+            env = self.store.runs.loc[sorted(run_ids), columns].fillna("unrecorded")
+            differences = [f"{c.removeprefix('env:')} " + " vs ".join(
+                f"{value} ({count} runs)" for value, count in env[c].value_counts().sort_index().items())
+                for c in columns if env[c].nunique() > 1]
+            if differences:
+                lines.append(f"table {table} mixes environments: {'; '.join(differences)}")
+        return lines
 
     @cached_property
     def scale(self) -> float:
@@ -137,6 +152,7 @@ class Analysis:
         elif need_tests and not self.model_runs.loc[run_id, "has_tests"]:
             reason = f"run {run_id} has no test/* scores (training or evaluation unfinished)"
         if reason is None:
+            self.used.setdefault(table, set()).add(run_id)
             return run_id
         entry = Missing(table, method, model, peer, seed, catalog.sweep_for(table, method, seed, model), reason)
         if entry not in self.missing:

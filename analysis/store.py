@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from rich.progress import Progress
 
 from analysis import catalog
+from graft_exp.schema import ENV_TAGS
 
 #: Score metrics (logged as fractions or percent; see ``RunStore.score_scale``).
 HISTORY_PREFIXES = ("test/", "val/")
@@ -123,6 +124,11 @@ def _tidy_runs(raw: pd.DataFrame, experiments: dict[str, str]) -> pd.DataFrame:
         runs[tag] = column.to_numpy()
     for tag in ("seed", "n", "best_step"):
         runs[tag] = pd.to_numeric(runs[tag], errors="coerce")
+    # The job's environment (graft.env.* tags of the job run), inherited by its model runs.
+    environment = pd.DataFrame({f"env:{tag.rsplit('.', 1)[-1]}": raw.get(f"tags.{tag}", pd.Series(
+        index=raw.index, dtype=object)).to_numpy() for tag in ENV_TAGS}, index=runs.index)
+    environment = environment.where(environment.notna(),
+                                    environment.loc[~runs["is_model"]].reindex(runs["parent_id"]).set_axis(runs.index))
     params = raw.filter(like="params.").rename(columns=lambda c: "param:" + c[len("params."):])
     params.index = runs.index
     # A model run inherits the params of its job run (the flattened resolved config lives there).
@@ -131,7 +137,7 @@ def _tidy_runs(raw: pd.DataFrame, experiments: dict[str, str]) -> pd.DataFrame:
     params = params.where(params.notna(), inherited)
     metrics = raw.filter(like="metrics.").rename(columns=lambda c: "metric:" + c[len("metrics."):])
     metrics.index = runs.index
-    return pd.concat([runs, params, metrics], axis=1)
+    return pd.concat([runs, environment, params, metrics], axis=1)
 
 
 def seed_study_pairs(runs: pd.DataFrame) -> list[str]:

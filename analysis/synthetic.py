@@ -49,6 +49,7 @@ class JobSpec:
     study: str = "main"
     params: dict[str, object] = field(default_factory=dict)
     metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)   # graft.env.* tags of the job run
 
 
 def _metric_entities(histories: dict[str, dict[int, float]], start_ms: int) -> list[Metric]:
@@ -83,7 +84,7 @@ def write_jobs(tracking_uri: str, jobs: list[JobSpec], artifact_root: Path) -> l
         common = {"graft.method": job.method, "graft.pair": job.pair, "graft.seed": job.seed}
         parent = client.create_run(experiment, tags={**common, "graft.study": job.study, "graft.backend": "verl",
                                                      "graft.run_key": f"{job.study}-{job.method}-{job.pair}-{job.seed}",
-                                                     "graft.git_sha": "0" * 40})
+                                                     "graft.git_sha": "0" * 40, **job.environment})
         params = {"method.name": job.method, "seed": job.seed, "pair.name": job.pair, **job.params}
         _log(client, parent.info.run_id, _metric_entities(job.metrics, start_ms), params, {})
         for spec in job.models:

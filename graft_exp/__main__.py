@@ -12,8 +12,8 @@ from omegaconf import DictConfig
 
 from graft_exp import driver, tracking
 from graft_exp.backends import backend_factory
-from graft_exp.config import ConfigError, register_schemas, validate
-from graft_exp.extras import MissingExtra, require
+from graft_exp.config import ConfigError, register_schemas, validate_job
+from graft_exp.driver import CheckpointError, check_newest_checkpoint
 
 log = logging.getLogger("graft_exp")
 register_schemas()
@@ -33,16 +33,11 @@ def check_launch_mode(cfg: DictConfig) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         check_launch_mode(cfg)
-        validate(cfg)
-    except ConfigError as err:
+        validate_job(cfg)   # the config, then this machine: backend=verl's extra, data, checkpoint root
+        check_newest_checkpoint(cfg)
+    except (ConfigError, CheckpointError) as err:
         # A bad override stops the whole sweep before any training, with one clear line.
         log.error("invalid configuration: %s", err)
-        raise SystemExit(2) from err
-    try:
-        if cfg.backend.name == "verl":
-            require("backend=verl")
-    except MissingExtra as err:
-        log.error("%s", err)
         raise SystemExit(2) from err
     try:
         job = tracking.open_job(cfg)

@@ -10,7 +10,9 @@ and raises ``ConfigError`` naming the fix.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -18,8 +20,12 @@ from omegaconf import MISSING, DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
 from graft_exp import methods
+from graft_exp.extras import MissingExtra, require
 
 BACKENDS = ("local", "verl")
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw",)
+LOCAL_DEVICES = ("auto", "cpu", "cuda")
 LOCAL_SAMPLERS = ("static_cache", "loop")   # graft_exp/backends/local_policy.py
 ROLES = ("A", "B")               # the two models of a pair
 PEER_OF = {"A": "B", "B": "A"}
@@ -187,8 +193,11 @@ def register_schemas() -> None:
 
 
 def total_steps(cfg: DictConfig, num_problems: int) -> int:
-    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split."""
-    return int(cfg.train.max_steps or cfg.train.total_epochs * num_problems // int(cfg.train.batch_prompts))
+    """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split of
+    whole batches (the last partial batch of an epoch is dropped, as verl's dataloader does: 7,500 MATH
+    problems at 128 prompts per step are 58 steps an epoch, 174 in three)."""
+    batches_per_epoch = num_problems // int(cfg.train.batch_prompts)
+    return int(cfg.train.max_steps or cfg.train.total_epochs * batches_per_epoch)
 
 
 def minibatch_prompts(cfg: DictConfig) -> int:
@@ -201,26 +210,68 @@ def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check one composed job config; raise ConfigError with the override that fixes it."""
-    try:
-        uri = cfg.tracking.uri
-    except InterpolationResolutionError as err:
-        raise ConfigError(f"tracking={cfg.tracking._name} needs MLFLOW_TRACKING_URI, e.g. "
-                          "export MLFLOW_TRACKING_URI=http://host:5000 (or use tracking=sqlite)") from err
-    if not uri:
-        raise ConfigError("tracking.uri is empty; set MLFLOW_TRACKING_URI or tracking.uri")
-    method, pair = cfg.method, cfg.pair
-    models = cfg.models
-    for role in ("A", "B"):
-        key = pair[role]
-        if key not in models:
-            raise ConfigError(
-                f"pair.{role}={key!r} is not a known model; choose one of {', '.join(models)} "
-                "(conf/catalog/models.yaml)"
-            )
-    if pair.A == pair.B:
-        raise ConfigError(f"pair {pair.name!r} names {pair.A!r} twice; a pair needs two different models")
+def _at_least(node: DictConfig, prefix: str, minimum: int, *keys: str, optional: bool = False) -> None:
+    """Counts: ``prefix.key >= minimum`` (``optional``: null is allowed too)."""
+    for key in keys:
+        value = node[key]
+        if value is None and optional:
+            continue
+        if value is None or value < minimum:
+            raise ConfigError(f"{prefix}.{key}={value} must be an integer >= {minimum}"
+                              + (" (or null)" if optional else ""))
+
+
+def _positive(node: DictConfig, prefix: str, *keys: str) -> None:
+    for key in keys:
+        if not node[key] > 0:
+            raise ConfigError(f"{prefix}.{key}={node[key]} must be > 0")
+
+
+def _non_negative(node: DictConfig, prefix: str, *keys: str) -> None:
+    for key in keys:
+        if node[key] < 0:
+            raise ConfigError(f"{prefix}.{key}={node[key]} must be >= 0")
+
+
+def _sampling(node: DictConfig, prefix: str) -> None:
+    if not node.temperature > 0:
+        raise ConfigError(f"{prefix}.temperature={node.temperature} must be > 0 (greedy decoding is not "
+                          "supported; the paper samples at 1.0 in training, 0.6 in evaluation)")
+    if not 0 < node.top_p <= 1:
+        raise ConfigError(f"{prefix}.top_p={node.top_p} must be in (0, 1] (1.0: no nucleus filtering)")
+
+
+def validate_train_eval(cfg: DictConfig) -> None:
+    """The domains of ``train.*`` and ``eval.*``: counts >= 1, rates > 0, probabilities in their range,
+    batch sizes that divide into minibatches."""
+    train, ev = cfg.train, cfg.eval
+    _at_least(train, "train", 1, "batch_prompts", "minibatch_prompts", "ppo_epochs", "total_epochs",
+              "max_prompt_length", "max_response_length", "save_every")
+    _at_least(train, "train", 1, "max_steps", optional=True)
+    _at_least(train, "train", 0, "lr_warmup_steps")
+    _positive(train, "train", "lr", "grad_clip")
+    _non_negative(train, "train", "weight_decay", "kl_coef", "entropy_coef")
+    if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
+        raise ConfigError(f"train.betas={list(train.betas)} must be two values in [0, 1), e.g. [0.9,0.999]")
+    _sampling(train, "train")
+    _choice(train.precision, PRECISIONS, "train.precision")
+    _choice(train.optimizer, OPTIMIZERS, "train.optimizer")
+    if train.batch_prompts % train.minibatch_prompts:
+        raise ConfigError(
+            f"train.batch_prompts={train.batch_prompts} is not a multiple of "
+            f"train.minibatch_prompts={train.minibatch_prompts}"
+        )
+    _at_least(ev, "eval", 1, "val_every", "val_samples", "runs", "samples")
+    _at_least(ev, "eval", 1, "max_problems", optional=True)
+    _sampling(ev, "eval")
+    if cfg.pair.train_size is not None and cfg.pair.train_size < train.batch_prompts:
+        raise ConfigError(f"pair.train_size={cfg.pair.train_size} is smaller than train.batch_prompts="
+                          f"{train.batch_prompts}: an epoch would have no full batch")
+
+
+def validate_method(cfg: DictConfig) -> None:
+    """The method's own settings and how its components combine (pair and backend aside)."""
+    method = cfg.method
     if method.n < 2:
         raise ConfigError(f"method.n={method.n}: GRPO needs at least 2 rollouts per prompt (n >= 2)")
     if not 0.0 <= method.delta <= 1.0:
@@ -234,14 +285,18 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"method.clip_ratio_c={method.clip_ratio_c} must be > 1 (verl's dual clip; 3.0)")
     if method.adv_eps <= 0:
         raise ConfigError(f"method.adv_eps={method.adv_eps} must be > 0 (paper: 1e-6)")
+    _non_negative(method, "method", "sgt_lambda")
+    _positive(method, "method", "luffy_gamma")
+    hacpo = method.hacpo
+    _positive(hacpo, "method.hacpo", "self_clip_low", "self_clip_high")
+    _non_negative(hacpo, "method.hacpo", "peer_clip_step", "kl_coef")
+    if not 0 <= hacpo.peer_clip_init <= 1:
+        raise ConfigError(f"method.hacpo.peer_clip_init={hacpo.peer_clip_init} is outside [0, 1] (released: 0.8)")
     try:
         methods.declaration(method.name)
         spec = methods.resolve(method)
     except methods.UnknownName as err:
         raise ConfigError(str(err)) from err
-    _choice(cfg.backend.name, BACKENDS, "backend")
-    if cfg.backend.name == "local":
-        _choice(cfg.backend.sampler, LOCAL_SAMPLERS, "backend.sampler")
     exchanges = spec.selection.transfers or spec.peer_loss.transfers
     if method.co_train != exchanges:
         raise ConfigError(
@@ -257,16 +312,134 @@ def validate(cfg: DictConfig) -> None:
             f"stored-trajectory replay transfers in one direction only, so method.selection={method.selection} "
             "is inactive: set method.selection=complementary (as conf/method/graft_stored.yaml does)"
         )
-    if cfg.backend.name == "verl" and pair.gpus < 1:
-        raise ConfigError(
-            f"backend=verl runs on GPU nodes; pair={pair.name} is the CPU test bed. "
-            "Use backend=local, or pair=pair1|pair2|pair3"
-        )
-    train = cfg.train
-    if train.batch_prompts % train.minibatch_prompts:
-        raise ConfigError(
-            f"train.batch_prompts={train.batch_prompts} is not a multiple of "
-            f"train.minibatch_prompts={train.minibatch_prompts}"
-        )
-    if cfg.eval.runs < 1 or cfg.eval.samples < 1:
-        raise ConfigError("eval.runs and eval.samples must be >= 1")
+    # HACPO's released 64-prompt minibatches: a smaller batch (the tiny pair's 16) is one minibatch.
+    _at_least(hacpo, "method.hacpo", 1, "minibatch_prompts")
+
+
+def backend_installed(name: str) -> None:
+    """The backend's optional packages (graft_exp.extras): ``backend=verl`` needs the ``verl`` extra."""
+    if name == "verl":
+        try:
+            require("backend=verl")
+        except MissingExtra as err:
+            raise ConfigError(f"{err}; or use backend=local with pair=tiny") from None
+
+
+def validate_backend(cfg: DictConfig) -> None:
+    """Pair x backend combinations that can run, and the backend's own keys."""
+    backend, pair, train = cfg.backend, cfg.pair, cfg.train
+    _choice(backend.name, BACKENDS, "backend")
+    tiny_models = [pair[role] for role in ROLES if cfg.models[pair[role]].hf_id is None]
+    if backend.name == "local":
+        if pair.data != "tiny_arith" or len(tiny_models) < 2:
+            raise ConfigError(f"backend=local trains the tiny models on the generated task (pair=tiny); "
+                              f"pair={pair.name} needs GPUs: use backend=verl")
+        _choice(backend.device, LOCAL_DEVICES, "backend.device")
+        _choice(backend.sampler, LOCAL_SAMPLERS, "backend.sampler")
+        _at_least(backend, "backend", 1, "threads", optional=True)
+        # Settings this backend cannot honour are refused rather than ignored.
+        if train.precision != "fp32":
+            raise ConfigError(f"train.precision={train.precision} is not supported by backend=local, which "
+                              "trains in fp32: set train.precision=fp32 (or use backend=verl)")
+        if train.optimizer != "adamw":
+            raise ConfigError(f"train.optimizer={train.optimizer} is not supported by backend=local: "
+                              "set train.optimizer=adamw")
+        for key in ("kl_coef", "entropy_coef"):   # the paper's 0; HACPO's own KL is method.hacpo.kl_coef
+            if train[key] != 0:
+                raise ConfigError(f"train.{key}={train[key]} is not supported by backend=local (no {key[:-5]} "
+                                  f"term in its loss): set train.{key}=0, or use backend=verl")
+    else:
+        if pair.gpus < 1:
+            raise ConfigError(
+                f"backend=verl runs on GPU nodes; pair={pair.name} is the CPU test bed. "
+                "Use backend=local, or pair=pair1|pair2|pair3"
+            )
+        if tiny_models:
+            raise ConfigError(f"backend=verl trains Hugging Face models; {', '.join(tiny_models)} is built by "
+                              "graft_exp.tiny for backend=local: use backend=local with pair=tiny")
+        _at_least(backend, "backend", 1, "gpus_per_model", "rollout_tp", "max_token_len_per_gpu",
+                  "agent_workers", "nnodes")
+        if 2 * backend.gpus_per_model > pair.gpus:
+            raise ConfigError(f"backend.gpus_per_model={backend.gpus_per_model} needs "
+                              f"{2 * backend.gpus_per_model} GPUs but pair.gpus={pair.gpus}: lower "
+                              "backend.gpus_per_model or raise pair.gpus")
+        if backend.gpus_per_model % backend.rollout_tp:
+            raise ConfigError(f"backend.gpus_per_model={backend.gpus_per_model} is not a multiple of "
+                              f"backend.rollout_tp={backend.rollout_tp}")
+        if not 0 < backend.gpu_memory_utilization <= 1:
+            raise ConfigError(f"backend.gpu_memory_utilization={backend.gpu_memory_utilization} must be in (0, 1]")
+        if pair.data != "math":
+            raise ConfigError(f"backend=verl trains on MATH; pair.data={pair.data!r} has no prepared Parquet")
+
+
+def prepared_data(cfg: DictConfig) -> None:
+    """backend=verl reads what ``python -m graft_exp.prepare`` wrote under ``backend.data_dir``."""
+    if cfg.backend.name != "verl":
+        return
+    data = Path(cfg.backend.data_dir)
+    missing = [str(data / f) for f in ("math/train.parquet", *(f"{b}/test.parquet" for b in cfg.pair.benchmarks))
+               if not (data / f).is_file()]
+    if missing:
+        raise ConfigError(f"backend.data_dir={cfg.backend.data_dir} lacks {', '.join(missing)}: run "
+                          "`python -m graft_exp.prepare` first, or point backend.data_dir "
+                          "(GRAFT_DATA_DIR) at its output")
+
+
+def validate_checkpoint_root(root: str) -> None:
+    """The checkpoint root is (or can become) a writable directory; nothing is created here."""
+    path = Path(root).expanduser().absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"checkpoint_root={root}: {existing} is a file, not a directory; "
+                          "set checkpoint_root (or GRAFT_CHECKPOINT_ROOT) to a directory")
+    try:   # os.access says yes to root everywhere, also on read-only mounts: try it
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"checkpoint_root={root}: cannot write in {existing} ({err.strerror}); set "
+                          "checkpoint_root (or GRAFT_CHECKPOINT_ROOT) to a directory you can write") from None
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check one composed job config; raise ConfigError with the override that fixes it.
+    Nothing here touches the tracking store or the file system beyond reading it."""
+    try:
+        uri = cfg.tracking.uri
+    except InterpolationResolutionError as err:
+        raise ConfigError(f"tracking={cfg.tracking._name} needs MLFLOW_TRACKING_URI, e.g. "
+                          "export MLFLOW_TRACKING_URI=http://host:5000 (or use tracking=sqlite)") from err
+    if not uri:
+        raise ConfigError("tracking.uri is empty; set MLFLOW_TRACKING_URI or tracking.uri")
+    pair, models = cfg.pair, cfg.models
+    for role in ROLES:
+        key = pair[role]
+        if key not in models:
+            raise ConfigError(
+                f"pair.{role}={key!r} is not a known model; choose one of {', '.join(models)} "
+                "(conf/catalog/models.yaml)"
+            )
+    if pair.A == pair.B:
+        raise ConfigError(f"pair {pair.name!r} names {pair.A!r} twice; a pair needs two different models")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    if not str(cfg.study).strip():
+        raise ConfigError("study is empty; name the study (MLflow experiment graft/<study>), e.g. study=default")
+    validate_train_eval(cfg)
+    validate_method(cfg)
+    validate_backend(cfg)
+
+
+def validate_environment(cfg: DictConfig) -> None:
+    """What a valid config needs of the machine it runs on: the backend's packages, its prepared data,
+    a writable checkpoint root. Reads only; nothing is created."""
+    backend_installed(cfg.backend.name)
+    prepared_data(cfg)
+    validate_checkpoint_root(str(cfg.checkpoint_root))
+
+
+def validate_job(cfg: DictConfig) -> None:
+    """Everything checked before a job's run exists: the config (``validate``), then this machine."""
+    validate(cfg)
+    validate_environment(cfg)

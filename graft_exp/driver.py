@@ -64,19 +64,45 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------- seeds, data
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints in a job directory, oldest first (``ckpt-<step>``; ``.tmp`` ones are unfinished)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def check_newest_checkpoint(cfg: DictConfig) -> None:
+    """Before the job's run is opened: the newest checkpoint of this run key, which a resumed job would
+    load, has a readable loop state (a truncated or foreign one would fail the job after it started)."""
+    found = checkpoints(run_directory(cfg))
+    if not found:
+        return
+    try:
+        json.loads((found[-1] / "driver.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {found[-1]} cannot be loaded ({type(err).__name__}: {err}). Delete it to resume "
+            "from the previous one (or from scratch), or launch again with rerun=true for a fresh run") from None
+
+
 def generator(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
 class PromptStream:
     """The training prompts in a seeded order: a fresh permutation each epoch, batches consecutive.
-    The order depends only on the seed, so every method with the same seed sees the same batches
-    (what ``graft_stored`` replay relies on)."""
+    A batch never crosses an epoch boundary: the permutation's tail too short for it is skipped, as
+    verl's dataloader drops the last partial batch. The order depends only on the seed, so every
+    method with the same seed sees the same batches (what ``graft_stored`` replay relies on)."""
 
     def __init__(self, problems: Sequence, seed: int, cursor: int = 0):
         self.problems, self.seed, self.cursor = problems, seed, cursor
 
     def next(self, size: int) -> list:
+        epoch, index = divmod(self.cursor, len(self.problems))
+        if index + size > len(self.problems):
+            self.cursor = (epoch + 1) * len(self.problems)
         out = []
         for _ in range(size):
             epoch, index = divmod(self.cursor, len(self.problems))
@@ -298,10 +324,7 @@ class Driver:
                 self.backend.keep_best(role, step)
 
     def checkpoints(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")]
-        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+        return checkpoints(self.root)
 
     def save_checkpoint(self, step: int) -> None:
         """The backend's state plus the loop's (step, data cursors, best, costs), written to a temporary
@@ -312,6 +335,7 @@ class Driver:
                                     "device_seconds": m.device_seconds, "positive_rates": m.positive_rates}
                              for role, m in self.members.items()}}
         self.root.mkdir(parents=True, exist_ok=True)
+        self.remove_interrupted_writes()
         tmp = Path(tempfile.mkdtemp(prefix=f"ckpt-{step}-", suffix=".tmp", dir=self.root))
         self.backend.save(tmp, step)
         (tmp / "driver.json").write_text(json.dumps(state))
@@ -323,8 +347,16 @@ class Driver:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def remove_interrupted_writes(self) -> None:
+        """Delete ``ckpt-*.tmp`` directories a killed job left half-written (tens of GB on verl)."""
+        for tmp in self.root.glob("ckpt-*.tmp"):
+            log.info("removing the interrupted checkpoint write %s", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def load_checkpoint(self) -> None:
         """Continue from the newest checkpoint of this run key, if any."""
+        if self.root.is_dir():
+            self.remove_interrupted_writes()
         found = self.checkpoints()
         if not found:
             return

@@ -13,7 +13,10 @@ import socket
 import subprocess
 from pathlib import Path
 
-SLURM_ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+#: A pending job Slurm will not start by itself: held after a failed launch ("launch failed requeued
+#: held"), or by a user or an administrator. ``slurm_queue`` reports it in place of PENDING.
+SLURM_HELD = "HELD"
+SLURM_ACTIVE = {SLURM_HELD, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
                 "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 
 
@@ -58,16 +61,29 @@ def slurm_queue() -> dict[str, str] | None:
     if shutil.which("squeue") is None:
         return None
     try:
-        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True,
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T|%r"], capture_output=True, text=True,
                              check=True, timeout=30).stdout
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
         return None
     queue = {}
     for line in out.splitlines():
-        job, _, state = line.strip().partition("|")
+        job, state, reason = (line.strip().split("|", 2) + ["", ""])[:3]
         if job:
-            queue[job] = state
+            queue[job] = queue_state(state, reason)
     return queue
+
+
+def queue_state(state: str, reason: str) -> str:
+    """A job's state as ``slurm_queue`` reports it: SLURM_HELD for a pending job whose reason is a hold
+    (``launch failed requeued held``, ``JobHeldUser``, ``JobHeldAdmin``), else Slurm's own state."""
+    held = state == "PENDING" and "held" in reason.lower().replace("_", " ")
+    return SLURM_HELD if held else state
+
+
+def held_hint(job: str) -> str:
+    """The way out for a job Slurm holds."""
+    return (f"Slurm holds job {job} (e.g. launch failed requeued held; `squeue -j {job} -o %r` says why): "
+            f"`scontrol release {job}` lets it start again once the cause is fixed, `scancel {job}` gives it up")
 
 
 def process_alive(pid: int) -> bool:

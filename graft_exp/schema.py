@@ -10,6 +10,15 @@ from __future__ import annotations
 
 import re
 
+#: The job's environment (graft_exp.environment), tags of the job run set at creation and on every
+#: resume: library versions ("none" when not installed); GPU, driver and CUDA only where there is a GPU.
+ENV_TAGS = {
+    "graft.env.torch": "torch version", "graft.env.transformers": "transformers version",
+    "graft.env.verl": "verl version", "graft.env.vllm": "vLLM version",
+    "graft.env.math_verify": "math-verify version", "graft.env.mlflow": "MLflow version",
+    "graft.env.gpu": "GPU model (nvidia-smi)", "graft.env.driver": "NVIDIA driver version",
+    "graft.env.cuda": "CUDA version torch was built with",
+}
 #: Tags of a job run (one per Hydra job) -> when they are set.
 JOB_TAGS = {
     "graft.run_key": "at creation: hash of the resolved config without launcher/tracking/paths (identity)",
@@ -18,6 +27,7 @@ JOB_TAGS = {
     "graft.slurm_job_id": "at creation and on every resume, under Slurm",
     "graft.host": "at creation and on every resume", "graft.pid": "at creation and on every resume",
     "graft.log": "at creation and on every resume, when the launcher names a log file",
+    **ENV_TAGS,
 }
 #: Tags of a model run (child of the job run, one per trained model).
 MODEL_TAGS = {
@@ -28,6 +38,7 @@ MODEL_TAGS = {
     "graft.slurm_job_id": "as the job run's", "graft.host": "as the job run's", "graft.pid": "as the job run's",
     "graft.log": "as the job run's",
     "graft.best_step": "when training ends: the selected (trained) checkpoint's step",
+    "graft.data_order": "at creation: hash of what fixes each step's prompts (a graft_stored replay must match)",
 }
 #: Metrics of a job run, step = training step.
 JOB_METRICS = {

@@ -3,6 +3,7 @@ PostgreSQL, everything under one directory.
 
     python -m graft_exp.server start --dir /shared/mlflow --host eth0 --port 5000
     python -m graft_exp.server add-user alice [--read-only] --dir /shared/mlflow
+    python -m graft_exp.server remove-user alice --dir /shared/mlflow
     python -m graft_exp.server status|stop --dir /shared/mlflow
 
 What ``start`` sets up (and reuses on later starts; every step is skipped when already done):
@@ -435,6 +436,24 @@ def add_user(layout: Layout, name: str, read_only: bool) -> Path:
     return path
 
 
+def remove_user(layout: Layout, name: str) -> None:
+    """Delete a user from the auth app (its runs stay) and its credentials file: the server refuses
+    that user's credentials from now on."""
+    from mlflow.exceptions import RestException
+
+    state = load_state(layout)
+    if not healthy(local_url(state)):
+        raise ServerError(f"the server of {layout.root} is not running; start it first")
+    if name == ADMIN:
+        raise ServerError(f"{ADMIN!r} is the server's own administrator and cannot be removed")
+    admin = Admin(layout, state)
+    try:
+        admin.client.delete_user(name)
+    except RestException as err:
+        raise ServerError(f"cannot remove user {name}: {err}") from err
+    layout.credentials(name).unlink(missing_ok=True)
+
+
 # --- commands ------------------------------------------------------------------------------------
 
 def start(layout: Layout, host: str, port: int, pg: int, names: list[str], workers: int) -> str:
@@ -486,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         ("start", "start (or initialize and start) PostgreSQL and the mlflow server"),
         ("stop", "stop the mlflow server and PostgreSQL"),
         ("status", "say what runs; exit 1 unless both run"),
-        ("add-user", "create a user for jobs (writes every experiment unless --read-only)")]}
+        ("add-user", "create a user for jobs (writes every experiment unless --read-only)"),
+        ("remove-user", "delete a user: its credentials are refused from then on (its runs stay)")]}
     for p in cmds.values():
         p.add_argument("--dir", required=True, type=Path, help="the server's directory (data, secrets, logs)")
     cmds["start"].add_argument("--host", required=True,
@@ -501,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     cmds["stop"].add_argument("--keep-db", action="store_true",
                               help="stop only the mlflow server; PostgreSQL keeps running")
     cmds["add-user"].add_argument("name")
+    cmds["remove-user"].add_argument("name")
     cmds["add-user"].add_argument("--read-only", action="store_true",
                                   help="may read every experiment but write none")
     args = parser.parse_args(argv)
@@ -522,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                 stop_postgres(layout)
         elif args.command == "status":
             return 0 if status(layout) else 1
+        elif args.command == "remove-user":
+            remove_user(layout, args.name)
+            print(f"user {args.name} removed: the server refuses its credentials; its runs stay")
         else:
             path = add_user(layout, args.name, args.read_only)
             print(f"user {args.name} ({'read-only' if args.read_only else 'writes every experiment'}): "

@@ -292,3 +292,27 @@ def test_all_fraction_scale_detection(built):
     analysis, _ = built
     assert analysis.scale == 100.0
     assert np.isclose(analysis.scores(analysis.find("t", "graft", S, Q), ["math500"])["math500"].mean(), 67)
+
+
+def test_tables_say_when_they_mix_environments(tmp_path, capsys):
+    """A table whose runs ran on different library versions or GPUs says so, naming the difference."""
+    def env(torch):
+        return {"graft.env.torch": torch, "graft.env.vllm": "0.11.0", "graft.env.gpu": "NVIDIA H100 80GB HBM3"}
+    jobs = [single("grpo_n8", S, "A", 0, scores([.60, .62], [.10, .12])),
+            single("grpo_n8", Q, "B", 0, scores([.50, .50], [.05, .05]))]
+    jobs[0].environment, jobs[1].environment = env("2.8.0"), env("2.9.1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    write_jobs(uri, jobs, tmp_path / "artifacts")
+    analysis = Analysis(load_store(uri))
+    build_all(analysis)
+    lines = analysis.mixed_environments()
+    assert lines and all("torch 2.8.0 (1 runs) vs 2.9.1 (1 runs)" in line for line in lines)
+    assert not any("vllm" in line or "gpu" in line for line in lines)
+    assert cli.main(["tables", "--tracking-uri", uri, "--out", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr()
+    assert "mixes environments: torch 2.8.0 (1 runs) vs 2.9.1 (1 runs)" in said.out + said.err
+
+
+def test_one_environment_is_not_reported(built):
+    analysis, _ = built
+    assert analysis.mixed_environments() == []

@@ -7,7 +7,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
 
-from graft_exp.config import ConfigError, validate
+from graft_exp.config import ConfigError, prepared_data, validate
 from graft_exp.methods import METHODS as declared_methods
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -23,18 +23,35 @@ def test_every_design_method_has_a_config():
     assert set(PAIRS) == {"tiny", "pair1", "pair2", "pair3"}
 
 
+@pytest.fixture(scope="module")
+def prepared_data_dir(tmp_path_factory) -> str:
+    """Where ``python -m graft_exp.prepare`` would have written MATH and the benchmarks (the files'
+    presence is what validation checks)."""
+    root = tmp_path_factory.mktemp("data")
+    for name in ("math/train", "math500/test", "aime2024/test", "aime2025/test", "amc23/test", "minerva/test"):
+        (root / f"{name}.parquet").parent.mkdir(parents=True, exist_ok=True)
+        (root / f"{name}.parquet").touch()
+    return str(root)
+
+
 @pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("method", METHODS)
 def test_every_pair_and_method_composes_and_validates(compose_cfg, pair, method):
-    cfg = compose_cfg(f"pair={pair}", f"method={method}")
+    backend = ["backend=local"] if pair == "tiny" else ["backend=verl"]
+    cfg = compose_cfg(f"pair={pair}", f"method={method}", *backend)
     validate(cfg)
     assert cfg.method.name == method
     assert cfg.pair.name == pair
 
 
 @pytest.mark.parametrize("pair", ["pair1", "pair2", "pair3"])
-def test_paper_pairs_compose_with_verl(compose_cfg, pair):
+def test_paper_pairs_run_on_verl_only(compose_cfg, pair, prepared_data_dir):
     validate(compose_cfg(f"pair={pair}", "backend=verl"))
+    with pytest.raises(ConfigError, match=f"pair={pair} needs GPUs: use backend=verl"):
+        validate(compose_cfg(f"pair={pair}"))
+    with pytest.raises(ConfigError, match="lacks .*math/train.parquet.*python -m graft_exp.prepare"):
+        prepared_data(compose_cfg(f"pair={pair}", "backend=verl", "backend.data_dir=/nonexistent"))
+    prepared_data(compose_cfg(f"pair={pair}", "backend=verl", f"backend.data_dir={prepared_data_dir}"))
 
 
 def test_paper_defaults(compose_cfg):

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from graft_exp import driver
 from graft_exp.costs import Timer, step_costs
 
 
@@ -40,3 +41,36 @@ def test_timer_splits_shared_work_evenly():
         time.sleep(0.02)
     assert timer.seconds["A"] > timer.seconds["B"] > 0.009
     assert timer.seconds["A"] - timer.seconds["B"] == pytest.approx(0.02, abs=0.015)
+
+
+def test_paper_step_count_drops_the_last_partial_batch_of_each_epoch(compose_cfg):
+    cfg = compose_cfg("pair=pair1", "backend=verl")
+    assert driver.total_steps(cfg, 7500) == 174   # 3 epochs x floor(7500 / 128)
+
+
+def test_batches_never_cross_an_epoch_boundary():
+    problems = list(range(10))
+    stream = driver.PromptStream(problems, seed=3)
+    batches = [stream.next(4) for _ in range(6)]   # 2 whole batches per epoch; 2 problems dropped
+    for epoch in range(3):
+        first, second = batches[2 * epoch], batches[2 * epoch + 1]
+        assert len(set(first + second)) == 8
+        order = list(range(10))
+        driver.random.Random(driver.derive_seed(3, "epoch", epoch)).shuffle(order)
+        assert first + second == order[:8]
+
+
+def test_interrupted_checkpoint_writes_are_removed_on_resume_and_save(tmp_path):
+    class Backend:
+        def save(self, directory, step):
+            (directory / "state").write_text(str(step))
+
+    job = driver.Driver.__new__(driver.Driver)
+    job.root, job.backend, job.job_device_seconds, job.streams, job.members = tmp_path, Backend(), 0.0, {}, {}
+    (tmp_path / "ckpt-5-abc.tmp").mkdir()
+    (tmp_path / "ckpt-5-abc.tmp" / "half").write_text("x")
+    job.save_checkpoint(5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-5"]
+    (tmp_path / "ckpt-10-def.tmp").mkdir()
+    job.remove_interrupted_writes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-5"]

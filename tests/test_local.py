@@ -185,3 +185,19 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.allclose(top_p_filter(probs, 0.8), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
     assert torch.allclose(top_p_filter(probs, 0.81), torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
     assert torch.allclose(top_p_filter(probs, 0.1), torch.tensor([[0.5, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.slow
+def test_ppo_epochs_and_lr_warmup_are_honoured(make_job):
+    """train.ppo_epochs passes over the minibatches; train.lr_warmup_steps ramps the learning rate from 0
+    over that many optimizer steps (verl's constant schedule with warm-up)."""
+    steps = {}
+    for epochs in (1, 2):
+        cfg, job = make_job(f"train.ppo_epochs={epochs}", "train.lr_warmup_steps=8", "method=grpo_n8",
+                            f"study=epochs{epochs}")
+        trainer = driver.Driver(cfg, job, local.LocalBackend)
+        trainer.co_train_step(1)
+        policy = trainer.backend.policies["A"]
+        steps[epochs] = policy.lr_schedule.last_epoch
+        assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(float(cfg.train.lr) * steps[epochs] / 8)
+    assert steps == {1: 2, 2: 4}   # 8 prompts in minibatches of 4, once or twice

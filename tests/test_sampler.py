@@ -13,7 +13,7 @@ from graft_exp.tiny import models as tiny
 from graft_exp.tiny.task import SKILLS, train_split
 
 TRAIN = OmegaConf.create({"temperature": 1.0, "grad_clip": 1.0, "lr": 1e-6, "betas": [0.9, 0.999],
-                          "weight_decay": 0.0})
+                          "weight_decay": 0.0, "lr_warmup_steps": 0})
 
 
 @pytest.mark.parametrize("key", list(tiny.RECIPES))

@@ -337,3 +337,23 @@ def logged_steps(client: MlflowClient, experiment: str) -> list[int]:
         return []
     return [m.step for run in client.search_runs([exp.experiment_id])
             for m in client.get_metric_history(run.info.run_id, "train/reward_mean")]
+
+
+def test_removed_user_is_refused_and_its_runs_stay(server, as_user):
+    added = server.cli("add-user", "leaver")
+    assert added.returncode == 0, added.stderr
+    leaver = as_user("leaver")
+    exp = leaver.create_experiment("graft/leaver")
+    run = leaver.create_run(exp).info.run_id
+    name, password = server.creds("leaver")
+    removed = server.cli("remove-user", "leaver")
+    assert removed.returncode == 0, removed.stderr
+    assert not srv.Layout(server.dir).credentials("leaver").exists()
+    url = f"http://{server_local(server)}/api/2.0/mlflow"
+    refused = requests.post(url + "/runs/create", json={"experiment_id": exp}, auth=(name, password), timeout=30)
+    assert refused.status_code == 401
+    assert as_user("admin").get_run(run).info.run_id == run
+    again = server.cli("remove-user", "leaver")
+    assert again.returncode == 2 and "cannot remove user leaver" in again.stderr
+    admin = server.cli("remove-user", "admin")
+    assert admin.returncode == 2 and "cannot be removed" in admin.stderr

@@ -243,14 +243,16 @@ def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir
 
 
 def test_state_of_a_run_follows_its_slurm_job(slurm, workdir):
-    """RUNNING in MLflow is trusted only while the job is in Slurm's queue: held -> pending,
-    gone -> crashed."""
+    """RUNNING in MLflow is trusted only while the job is in Slurm's queue: held -> held (with the way
+    out), gone -> crashed."""
     held = subprocess.run(["sbatch", "--hold", "--parsable", *slurm.sbatch_args, "--wrap", "true",
                            "-o", str(workdir / "out")],
                           capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     try:
         run = {"status": "RUNNING", "slurm_job_id": held, "log": "held.log"}
-        assert status.run_state(run, scheduler.slurm_queue()) == (status.PENDING, "held.log")
+        state, hint = status.run_state(run, scheduler.slurm_queue())
+        assert state == status.HELD
+        assert f"scontrol release {held}" in hint and f"scancel {held}" in hint
         subprocess.run(["scancel", held], check=True)
         wait_for(lambda: held not in scheduler.slurm_queue(), 60, "the job to leave the queue")
         assert status.run_state(run, scheduler.slurm_queue()) == (status.CRASHED, "held.log")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from graft_exp import tracking
+from graft_exp import scheduler, tracking
 from graft_exp.config import validate
 from graft_exp.launching import status
 from graft_exp.launching.jobs import Composer
@@ -52,13 +52,17 @@ def test_expand_is_a_product_in_written_order():
         "pair=pair1", "seed=0", "method=grpo_n8")
 
 
-def test_one_file_per_table_with_its_study(sweeps):
+def test_one_file_per_table_with_its_study(sweeps, composer):
     assert set(sweeps) == {"main", "ablation", "alternatives", "delta", "stability", "stored",
                            "clip_dynamics", "compute", "tiny", "tiny_lr"}
+    verl = composer.compose(["backend=verl"]).backend   # the paper's pairs run on verl
     for name, sweep in sweeps.items():
         assert sweep.study == name
         for sj in sweep.jobs:
-            validate(sj.job.cfg)
+            cfg = sj.job.cfg.copy()
+            if cfg.pair.name != "tiny":
+                cfg.backend = verl
+            validate(cfg)
 
 
 def test_main_table_runs(sweeps):
@@ -216,13 +220,27 @@ def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, stor
     dry = run_cli(str(tmp_path / "tiny.yaml"), "--dry-run", f"tracking.uri={uri}", cwd=tmp_path)
     elapsed = time.monotonic() - started
     # MLflow alone cannot tell a crashed RUNNING run from a live one: both count as running.
-    assert "8 jobs: 1 finished, 2 running, 0 pending, 1 failed, 4 missing" in dry
+    assert "8 jobs: 1 finished, 2 running, 0 pending, 0 held, 1 failed, 4 missing" in dry
     assert elapsed < 60
 
-    status = run_cli(str(tmp_path / "tiny.yaml"), "--status", f"tracking.uri={uri}", cwd=tmp_path)
-    assert "8 jobs: 1 finished, 1 running, 0 pending, 2 failed, 4 missing" in status
-    assert f"failed #{failed.index} pair=tiny method=sgt seed=0: log /logs/sgt-0.log" in status
-    assert f"crashed #{crashed.index} pair=tiny method=hacpo seed=0: log /logs/hacpo-0.log" in status
+    states = run_cli(str(tmp_path / "tiny.yaml"), "--status", f"tracking.uri={uri}", cwd=tmp_path)
+    assert "8 jobs: 1 finished, 1 running, 0 pending, 0 held, 2 failed, 4 missing" in states
+    assert f"failed #{failed.index} pair=tiny method=sgt seed=0: log /logs/sgt-0.log" in states
+    assert f"crashed #{crashed.index} pair=tiny method=hacpo seed=0: log /logs/hacpo-0.log" in states
+
+
+def test_a_job_slurm_holds_is_held_with_the_way_out_not_pending():
+    """Slurm holds a job whose launch failed ("launch failed requeued held") until a person acts: the
+    sweep reports it held, with scontrol release / scancel, and does not wait for it."""
+    for reason in ("launch_failed_requeued_held", "launch failed requeued held", "JobHeldAdmin", "JobHeldUser"):
+        assert scheduler.queue_state("PENDING", reason) == scheduler.SLURM_HELD
+    assert scheduler.queue_state("PENDING", "Resources") == "PENDING"
+    assert scheduler.queue_state("RUNNING", "None") == "RUNNING"
+    run = {"status": "RUNNING", "slurm_job_id": "42_3", "log": "/logs/42_3.out"}
+    state, hint = status.run_state(run, {"42_3": scheduler.SLURM_HELD})
+    assert state == status.HELD
+    assert "scontrol release 42_3" in hint and "scancel 42_3" in hint
+    assert status.HELD not in status.TO_SUBMIT   # still in the queue: never submitted twice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +265,8 @@ def test_one_invalid_job_stops_the_whole_multirun(tmp_path, store_template):
 
 def test_parallel_jobs_sharing_a_grpo_baseline_are_refused(tmp_path, store_template):
     shutil.copy(store_template, tmp_path / "mlflow.db")
-    done = launch(tmp_path, "cluster=submitit_local", "pair=pair1,pair2", "method=grpo_n8")
+    # Two pairs holding the same model (as pair1 and pair2 hold Qwen3), on the CPU test bed.
+    done = launch(tmp_path, "cluster=submitit_local", "pair.name=tiny,tiny_again", "method=grpo_n8")
     assert done.returncode == 2
-    assert "both train qwen3-1.7b-base (grpo_n8, seed 0)" in done.stdout + done.stderr
+    assert "both train tiny-char-llama (grpo_n8, seed 0)" in done.stdout + done.stderr
     assert not (tmp_path / "multirun" / ".submitit").exists()

@@ -359,3 +359,19 @@ def test_jobs_starting_together_log_the_same_datasets(cfg, uri):
     client = MlflowClient(uri)
     for run_id in outcomes:
         assert {d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs} == expected
+
+
+def test_job_run_records_its_environment(cfg):
+    """Library versions (and the GPU, driver and CUDA where there is one) as graft.env.* tags."""
+    from importlib import metadata
+
+    from graft_exp import schema
+
+    job = tracking.open_job(cfg)
+    tags = job.client.get_run(job.run_id).data.tags
+    env = {k: v for k, v in tags.items() if k.startswith("graft.env.")}
+    assert set(env) <= set(schema.ENV_TAGS)
+    assert env["graft.env.torch"] == metadata.version("torch")
+    assert env["graft.env.mlflow"] == metadata.version("mlflow")
+    assert env["graft.env.math_verify"] == metadata.version("math-verify")
+    assert {"graft.env.transformers", "graft.env.verl", "graft.env.vllm"} <= set(env)

@@ -127,11 +127,13 @@ class LocalBackend:
     # ------------------------------------------------------------------ update
     def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
-        """One AdamW step per minibatch, in the driver's order, on ``receiver_loss``."""
+        """One AdamW step per minibatch, in the driver's order, on ``receiver_loss``; ``train.ppo_epochs``
+        passes over the minibatches, every pass against the sampling policy's log-probs (as verl)."""
         policy, cache, data = self.policies[role], self.peer_cache[role], own.data
         policy.model.train()
         totals, losses = dict.fromkeys(COUNT_METRICS, 0.0), []
-        for index, groups in enumerate(minibatches):
+        passes = [(index, groups) for _ in range(int(self.train.ppo_epochs)) for index, groups in enumerate(minibatches)]
+        for index, groups in passes:
             rows, nll = batch.rows_in(groups), batch.nll_in(groups)
             if not rows and not nll:
                 continue
@@ -190,13 +192,15 @@ class LocalBackend:
 
     def save(self, directory: Path, step: int) -> None:
         torch.save({role: {"model": p.model.state_dict(), "optimizer": p.optimizer.state_dict(),
-                           "best": self.best.get(role)} for role, p in self.policies.items()}, directory / "state.pt")
+                           "lr_schedule": p.lr_schedule.state_dict(), "best": self.best.get(role)}
+                    for role, p in self.policies.items()}, directory / "state.pt")
 
     def load(self, directory: Path) -> None:
         state = torch.load(directory / "state.pt", map_location=self.device, weights_only=False)
         for role, policy in self.policies.items():
             policy.model.load_state_dict(state[role]["model"])
             policy.optimizer.load_state_dict(state[role]["optimizer"])
+            policy.lr_schedule.load_state_dict(state[role]["lr_schedule"])
             if state[role]["best"] is not None:
                 self.best[role] = state[role]["best"]
 

@@ -65,6 +65,11 @@ class LocalPolicy:
             self.model.parameters(), lr=float(train_cfg.lr), betas=tuple(train_cfg.betas),
             weight_decay=float(train_cfg.weight_decay),
         )
+        # train.lr_warmup_steps: linear warm-up from 0 over that many optimizer steps, then constant
+        # (verl's constant schedule with warm-up; 0 = constant from the first step, as the paper).
+        warmup = int(train_cfg.lr_warmup_steps)
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda done: min(1.0, done / warmup) if warmup else 1.0)
         self._prompt_ids: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------- tokenization
@@ -206,11 +211,13 @@ class LocalPolicy:
 
     # ----------------------------------------------------------------- update
     def apply_gradients(self, loss: torch.Tensor) -> float:
-        """Backward, clip the gradient norm (paper: 1.0), one AdamW step. Returns the pre-clip norm."""
+        """Backward, clip the gradient norm (paper: 1.0), one AdamW step, one learning-rate schedule step.
+        Returns the pre-clip norm."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
+        self.lr_schedule.step()
         return float(norm)
 
     def padded(self, rows: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import scheduler, tracking
-from graft_exp.config import ROLES, ConfigError, validate
+from graft_exp.config import ROLES, ConfigError, validate_job
 from graft_exp.launching import status
 
 log = logging.getLogger("graft_exp.launch")
@@ -190,6 +190,8 @@ class FailureMonitor(threading.Thread):
             self.seen[job.index] = state
             if state in (status.FAILED, status.CRASHED):
                 log.error("job %s %s; log: %s", job.label, state.upper(), log_file or "unknown")
+            elif state == status.HELD:
+                log.error("job %s HELD: %s", job.label, log_file)
             else:
                 log.info("job %s %s", job.label, state)
 
@@ -219,7 +221,7 @@ class LaunchCallback(Callback):
         problems = []
         for job in jobs:
             try:
-                validate(job.cfg)
+                validate_job(job.cfg)
             except ConfigError as err:
                 problems.append(f"  job {job.label}: {err}")
         if problems:

@@ -22,6 +22,7 @@ RUN_COLUMNS = ["run_id", "key", "status", "start_time", "end_time", "parent", "s
                "pid", "log", "experiment"]
 DONE, RUNNING, PENDING = "finished", "running", "pending"
 FAILED, CRASHED, MISSING = "failed", "crashed", "missing"
+HELD = "held"   # in the Slurm queue, but Slurm will not start it (scheduler.SLURM_HELD): the log slot holds the way out
 TO_SUBMIT = (FAILED, CRASHED, MISSING)
 
 
@@ -94,6 +95,8 @@ def run_state(run: dict | None, queue: dict[str, str] | None, submission: Submis
     if run is None:
         if submission is not None and check_liveness:
             job = submission.slurm_job_id()
+            if job and queue is not None and queue.get(job) == scheduler.SLURM_HELD:
+                return HELD, scheduler.held_hint(job)
             if job and queue is not None and queue.get(job) in scheduler.SLURM_ACTIVE:
                 return (RUNNING if queue[job] == "RUNNING" else PENDING), submission.log()
             if job:
@@ -111,6 +114,8 @@ def run_state(run: dict | None, queue: dict[str, str] | None, submission: Submis
     alive = scheduler.liveness({k: v for k, v in tags.items() if v}, queue)
     if alive is False:
         return CRASHED, log
+    if run.get("slurm_job_id") and queue is not None and queue.get(run["slurm_job_id"]) == scheduler.SLURM_HELD:
+        return HELD, scheduler.held_hint(run["slurm_job_id"])
     if run.get("slurm_job_id") and queue is not None and queue.get(run["slurm_job_id"]) != "RUNNING":
         return PENDING, log   # requeued: Slurm holds it before it resumes the run
     return RUNNING, log

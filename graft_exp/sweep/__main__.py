@@ -35,11 +35,25 @@ import argparse
 from pathlib import Path
 
 import joblib
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from graft_exp import tracking
+from graft_exp.config import ConfigError, validate_job
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import SweepError, plan
 from graft_exp.sweep.state import console, report, snapshot
+
+
+def invalid_jobs(sweep) -> list[str]:
+    """Every job's ``validate`` failure, before anything reads or creates the store."""
+    problems = []
+    for sj in sweep.jobs:
+        try:
+            validate_job(sj.job.cfg)
+        except ConfigError as err:
+            problems.append(f"  job #{sj.index} {sj.job.label}: {err}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         sweep = plan(args.sweep, args.overrides)
     except (SweepError, FileNotFoundError) as err:
         console.print(f"[red]error:[/] {err}")
+        return 2
+    except (HydraException, OmegaConfBaseException) as err:   # a wrong type or unknown key or option
+        console.print(f"[red]invalid configuration, nothing launched:[/] {' '.join(str(err).split())}",
+                      soft_wrap=True)
+        return 2
+    problems = invalid_jobs(sweep)
+    if problems:
+        console.print("[red]invalid configuration, nothing launched:[/]\n" + "\n".join(problems), soft_wrap=True)
         return 2
     manifest = args.out / sweep.study / "launches.jsonl"
     if args.dry_run or args.status:

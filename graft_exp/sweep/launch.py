@@ -132,14 +132,16 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
     attempted: set[str] = set()
     seen: dict[str, str] = {}
     launches: list[Launch] = []
-    ended = (status.DONE, status.FAILED, status.CRASHED)
+    # A held job waits for a person (scontrol release / scancel), not for the sweep: it ends the wait.
+    ended = (status.DONE, status.FAILED, status.CRASHED, status.HELD)
     while True:
         snap = snapshot(sweep, manifest, scheduler_too=True)
         for sj in sweep.jobs:
             state, log = snap.states[sj.key]
             if sj.key in attempted and seen.get(sj.key) != state:
                 console.print(f"[{STYLE[state]}]{state}[/] #{sj.index} {sj.job.label}" +
-                              (f": log {log}" if state in (status.FAILED, status.CRASHED) else ""),
+                              (f": log {log}" if state in (status.FAILED, status.CRASHED) else "") +
+                              (f": {log}" if state == status.HELD else ""),
                               soft_wrap=True)
             seen[sj.key] = state
         for la in launches:

@@ -65,15 +65,15 @@ def snapshot(sweep: Sweep, manifest: Path, scheduler_too: bool) -> Snapshot:
 
 
 def counts(sweep: Sweep, snap: Snapshot) -> dict[str, int]:
-    out = dict.fromkeys((status.DONE, status.RUNNING, status.PENDING, status.FAILED, status.CRASHED,
-                         status.MISSING), 0)
+    out = dict.fromkeys((status.DONE, status.RUNNING, status.PENDING, status.HELD, status.FAILED,
+                         status.CRASHED, status.MISSING), 0)
     for sj in sweep.jobs:
         out[snap.state(sj)] += 1
     return out
 
 
 STYLE = {status.DONE: "green", status.RUNNING: "cyan", status.PENDING: "cyan", status.FAILED: "red",
-         status.CRASHED: "red", status.MISSING: "yellow"}
+         status.CRASHED: "red", status.MISSING: "yellow", status.HELD: "red"}
 
 
 def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
@@ -97,7 +97,7 @@ def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
     todo = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT]
     console.print(
         f"{len(sweep.jobs)} jobs: {c[status.DONE]} finished, {c[status.RUNNING]} running, "
-        f"{c[status.PENDING]} pending, {c[status.FAILED] + c[status.CRASHED]} failed, "
+        f"{c[status.PENDING]} pending, {c[status.HELD]} held, {c[status.FAILED] + c[status.CRASHED]} failed, "
         f"{c[status.MISSING]} missing; estimated GPU-hours: {sum(sj.gpu_hours for sj in todo):.1f} "
         f"to run, {sum(sj.gpu_hours for sj in sweep.jobs):.1f} for the whole sweep")
     if with_logs:
@@ -106,4 +106,6 @@ def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
             if state in (status.FAILED, status.CRASHED):
                 console.print(f"  [red]{state}[/] #{sj.index} {sj.job.label}: log {log or 'unknown'}",
                               soft_wrap=True)
+            elif state == status.HELD:
+                console.print(f"  [red]{state}[/] #{sj.index} {sj.job.label}: {log}", soft_wrap=True)
 

@@ -12,9 +12,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import methods, scheduler, schema
+from graft_exp import environment, methods, scheduler, schema
 from graft_exp.tracking.datasets import log_dataset_inputs
-from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags
+from graft_exp.tracking.identity import _hash, flatten, git_sha, model_run_key, run_key, source_tags
 from graft_exp.tracking.store import TrackingError, ensure_store, experiment_name
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -27,6 +27,7 @@ MAX_PARAMS = 100   # ... and on params per call
 
 
 DESCRIPTION_TAG = "mlflow.note.content"
+DATA_ORDER_TAG = "graft.data_order"   # model runs: what a graft_stored replay must match
 
 
 @dataclass
@@ -199,14 +200,30 @@ def stored_log_peers(cfg: DictConfig) -> list[str]:
     return [cfg.pair.A, cfg.pair.B] if replayed_method(cfg) else []
 
 
+def data_order(cfg: DictConfig) -> str:
+    """What fixes the prompts of every training step: the data, its size, the batch size and the seed,
+    with batches inside epochs (a replayed log must have been written in the same order)."""
+    return _hash({"data": cfg.pair.data, "train_size": cfg.pair.train_size, "seed": cfg.seed,
+                  "batch_prompts": cfg.train.batch_prompts, "batches": "within epochs, partial dropped"})
+
+
 def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
-    """Raise StoredLogMissing, naming the job to launch first, when a peer log ``cfg`` replays is absent."""
-    missing = [peer for peer in stored_log_peers(cfg) if stored_log_run(client, cfg, peer) is None]
+    """Raise StoredLogMissing, naming the job to launch first, when a peer log ``cfg`` replays is absent
+    or was written in another data order."""
+    runs = {peer: stored_log_run(client, cfg, peer) for peer in stored_log_peers(cfg)}
+    missing = [peer for peer, run in runs.items() if run is None]
     if missing:
         raise StoredLogMissing(
             f"method={cfg.method.name} replays the trajectory log of the finished GRPO n=8 run with seed "
             f"{cfg.seed} of {' and '.join(missing)}, and {cfg.tracking.uri} has none: launch "
             f"`python -m graft_exp pair={cfg.pair.name} method={replayed_method(cfg)} seed={cfg.seed}` first")
+    other = [peer for peer, run in runs.items() if run.data.tags.get(DATA_ORDER_TAG) != data_order(cfg)]
+    if other:
+        raise StoredLogMissing(
+            f"method={cfg.method.name} replays the GRPO n=8 log of {' and '.join(other)} (seed {cfg.seed}), "
+            "but it was written in another data order (pair data or train_size, train.batch_prompts, or an "
+            f"older batching): relaunch `python -m graft_exp pair={cfg.pair.name} method={replayed_method(cfg)} "
+            f"seed={cfg.seed} rerun=true` with this job's train settings first")
 
 
 def open_job(cfg: DictConfig) -> TrackedRun | None:
@@ -221,7 +238,7 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     _refuse_live_duplicate(client, key)
     check_stored_logs(cfg, client)
     tags = {**common_tags(cfg), "graft.git_sha": git_sha(), **source_tags("python -m graft_exp"),
-            DESCRIPTION_TAG: job_description(cfg)}
+            **environment.tags(), DESCRIPTION_TAG: job_description(cfg)}
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
     job = _open(client, experiment_id, key, tags, name, cfg.rerun)
     if job is not None:
@@ -239,7 +256,8 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
         schema.PEER: cfg.pair[other] if cfg.method.co_train else "none",
-        schema.ROLE: role, "graft.n": str(cfg.method.n), **source_tags("python -m graft_exp"),
+        schema.ROLE: role, "graft.n": str(cfg.method.n), DATA_ORDER_TAG: data_order(cfg),
+        **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),
     }
     key = model_run_key(cfg, role)

@@ -1,0 +1,206 @@
+"""Bad inputs a new user can give, and what each must get: one clear message, a non-zero exit, no
+traceback, and nothing created (no run, no experiment, no checkpoint directory).
+
+``CASES`` is the table ``tests/test_bad_inputs.py`` runs; ``python tests/bad_inputs.py docs/bad-inputs.md``
+runs every case once and writes the table with the message each got, its exit code and its time to fail.
+
+Every case runs in a fresh directory holding a seeded SQLite store (experiment ``graft/default`` with the
+GRPO n=8 logs a ``graft_stored`` job would replay, written in another data order) and a checkpoint root
+with an unfinished run's corrupt checkpoint; the store's content is compared before and after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # as a script: this checkout's graft_exp, whatever is installed
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: tuple[str, ...]             # after `python -m graft_exp` (or graft_exp.sweep with sweep=True)
+    expect: str                       # a piece of the message the user must see
+    hide: tuple[str, ...] = ()        # packages the process must not find (a meta-path blocker)
+    env: dict = field(default_factory=dict)
+    sweep: bool = False               # python -m graft_exp.sweep SWEEP.yaml ARGS
+    corrupt_checkpoint: bool = False  # leave a corrupt checkpoint for the run key of ``args``
+
+
+CASES = [
+    Case("GPU pair on the local backend", ("pair=pair1",), "pair=pair1 needs GPUs: use backend=verl"),
+    Case("verl backend without verl installed", ("backend=verl", "pair=pair1"), "pip install -e '.[verl]'",
+         hide=("verl",)),
+    Case("verl backend on the CPU pair", ("backend=verl",), "Use backend=local, or pair=pair1|pair2|pair3"),
+    Case("negative step count", ("train.max_steps=-1",), "train.max_steps=-1 must be an integer >= 1"),
+    Case("negative evaluation temperature", ("eval.temperature=-1",), "eval.temperature=-1.0 must be > 0"),
+    Case("empty batch", ("train.batch_prompts=0",), "train.batch_prompts=0 must be an integer >= 1"),
+    Case("batch not a multiple of the minibatch", ("train.minibatch_prompts=5",),
+         "train.batch_prompts=16 is not a multiple of train.minibatch_prompts=5"),
+    Case("no PPO epoch", ("train.ppo_epochs=0",), "train.ppo_epochs=0 must be an integer >= 1"),
+    Case("negative warm-up", ("train.lr_warmup_steps=-5",), "train.lr_warmup_steps=-5 must be an integer >= 0"),
+    Case("bf16 on the local backend", ("train.precision=bf16",),
+         "train.precision=bf16 is not supported by backend=local"),
+    Case("KL term on the local backend", ("train.kl_coef=0.01",),
+         "train.kl_coef=0.01 is not supported by backend=local (no kl term in its loss)"),
+    Case("unknown optimizer", ("train.optimizer=sgd",), "train.optimizer='sgd' is not one of adamw"),
+    Case("top-p above 1", ("train.top_p=1.5",), "train.top_p=1.5 must be in (0, 1]"),
+    Case("gate floor outside [0, 1]", ("method.delta=1.5",), "method.delta=1.5 is outside [0, 1]"),
+    Case("one rollout per prompt", ("method.n=1",), "method.n=1: GRPO needs at least 2 rollouts"),
+    Case("wrong type: root", ("seed=abc",), "Value 'abc' of type 'str' could not be converted to Integer"),
+    Case("wrong type: train", ("train.batch_prompts=abc",), "full_key: train.batch_prompts"),
+    Case("wrong type: pair", ("pair.gpus=many",), "full_key: pair.gpus"),
+    Case("wrong type: method", ("method.gate=maybe",), "full_key: method.gate"),
+    Case("wrong type: backend", ("backend.threads=two",), "full_key: backend.threads"),
+    Case("misspelt key", ("train.learning_rate=1e-5",), "Key 'learning_rate' not in 'TrainConfig'"),
+    Case("unknown group option", ("method=grpo_n7",), "Could not find 'method/grpo_n7'"),
+    Case("tracking=server without its URI", ("tracking=server",), "needs MLFLOW_TRACKING_URI"),
+    Case("unreachable tracking server", ("tracking.uri=http://127.0.0.1:9",),
+         "the MLflow tracking server http://127.0.0.1:9 does not answer"),
+    Case("unwritable store", ("tracking.uri=sqlite:////proc/graft/mlflow.db",),
+         "cannot write the MLflow store sqlite:////proc/graft/mlflow.db"),
+    Case("unwritable checkpoint root", ("checkpoint_root=/proc/graft",), "checkpoint_root=/proc/graft: cannot write"),
+    Case("checkpoint root under a file", ("checkpoint_root=store.db/ckpt",), "is a file, not a directory"),
+    Case("corrupt checkpoint", ("train.max_steps=4",), "cannot be loaded (JSONDecodeError", corrupt_checkpoint=True),
+    Case("replayed log of another data order", ("method=graft_stored",), "was written in another data order"),
+    Case("multirun with one bad job", ("-m", "train.max_steps=2,0"),
+         "train.max_steps=0): train.max_steps=0 must be an integer >= 1"),
+    Case("sweep with a bad job", ("train.top_p=0",), "train.top_p=0.0 must be in (0, 1]", sweep=True),
+]
+
+SWEEP = "study: default\nruns:\n  - {method: [grpo_n8, graft], seed: 0}\n"
+
+BLOCKER = """
+import runpy, sys
+hidden = set(sys.argv[1].split(",")) - {""}
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in hidden:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+module = sys.argv[2]
+sys.argv = [module, *sys.argv[3:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def seed_store(where: Path) -> None:
+    """The store every case starts from: graft/default with FINISHED GRPO n=8 model runs of both tiny
+    models (seed 0) tagged with a data order no current job has."""
+    from mlflow.tracking import MlflowClient
+
+    from graft_exp.tracking import EXPERIMENT_TAGS
+
+    client = MlflowClient(f"sqlite:///{where / 'store.db'}")
+    experiment = client.create_experiment("graft/default", tags=EXPERIMENT_TAGS)
+    for model in ("tiny-char-llama", "tiny-bpe-gpt2"):
+        run = client.create_run(experiment, tags={
+            "graft.run_key": f"old-{model}", "graft.method": "grpo_n8", "graft.model": model, "graft.seed": "0",
+            "graft.data_order": "an-older-order"})
+        client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def store_content(db: Path) -> list:
+    """Everything a run or experiment would change, in a comparable form."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    experiments = client.search_experiments(view_type=3)
+    runs = client.search_runs([e.experiment_id for e in experiments], run_view_type=3) if experiments else []
+    return ([(e.experiment_id, e.name, e.lifecycle_stage, sorted(e.tags.items())) for e in experiments] +
+            [(r.info.run_id, r.info.status, r.info.end_time, sorted(r.data.tags.items()),
+              sorted(r.data.params.items()), sorted(r.data.metrics.items())) for r in runs])
+
+
+def run_key_of(overrides: tuple[str, ...], where: Path) -> str:
+    from hydra import compose, initialize_config_dir
+
+    from graft_exp import tracking
+    from graft_exp.config import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*overrides, f"checkpoint_root={where / 'ckpt'}"])
+    return tracking.run_key(cfg)
+
+
+def prepare(case: Case, where: Path, template: Path | None = None) -> None:
+    """A fresh directory with the seeded store (copied from ``template`` when given) and, for a corrupt
+    checkpoint case, that run key's checkpoint with a truncated loop state."""
+    where.mkdir(parents=True, exist_ok=True)
+    if template is not None:
+        shutil.copy(template, where / "store.db")
+    else:
+        seed_store(where)
+    if case.corrupt_checkpoint:
+        ckpt = where / "ckpt" / run_key_of(case.args, where) / "ckpt-2"
+        ckpt.mkdir(parents=True)
+        (ckpt / "driver.json").write_text('{"step": 2, "cursors": {"shar')
+
+
+def command(case: Case, where: Path) -> list[str]:
+    defaults = [f"checkpoint_root={where / 'ckpt'}"]
+    if not any(a.startswith("tracking") for a in case.args):   # a case about tracking names its own store
+        defaults.insert(0, f"tracking.uri=sqlite:///{where / 'store.db'}")
+    flags = [a for a in case.args if a.startswith("-")]
+    # After the defaults: the case's own value of a default wins (Hydra takes the last of two overrides).
+    args = [*flags, *defaults, *(a for a in case.args if not a.startswith("-"))]
+    if case.sweep:
+        (where / "sweep.yaml").write_text(SWEEP)
+        module, args = "graft_exp.sweep", ["sweep.yaml", *args]
+    else:
+        module = "graft_exp"
+    return [sys.executable, "-c", BLOCKER, ",".join(case.hide), module, *args]
+
+
+def run_case(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_", "GRAFT_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **case.env)
+    env.pop("HYDRA_FULL_ERROR", None)   # Hydra's own one-message form, as a user sees it
+    start = time.perf_counter()
+    done = subprocess.run(command(case, where), cwd=where, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    return done, time.perf_counter() - start
+
+
+def message(done: subprocess.CompletedProcess, case: Case) -> str:
+    """The line of the output that carries the expected message (the first error line otherwise)."""
+    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    for line in lines:
+        if case.expect in line:
+            return line.split("] - ", 1)[-1]
+    return next((line for line in lines if "rror" in line), lines[0] if lines else "")
+
+
+def write_table(path: Path) -> None:
+    import tempfile
+
+    rows = ["| # | bad input | command | exit | time to fail (s) | message |", "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, case in enumerate(CASES, 1):
+            where = Path(tmp) / f"case{i}"
+            prepare(case, where)
+            done, seconds = run_case(case, where)
+            program = "python -m graft_exp.sweep sweep.yaml" if case.sweep else "python -m graft_exp"
+            shown = message(done, case).replace("|", "\\|")
+            rows.append(f"| {i} | {case.name} | `{program} {' '.join(case.args)}` | {done.returncode} | "
+                        f"{seconds:.1f} | {shown} |")
+            print(rows[-1], flush=True)
+    path.write_text(
+        "# Bad inputs and what they get\n\n"
+        "Generated by `python tests/bad_inputs.py docs/bad-inputs.md` (the cases of `tests/bad_inputs.py`, which\n"
+        "`tests/test_bad_inputs.py` runs and checks: non-zero exit, no traceback, this message, the store and\n"
+        "the checkpoint root unchanged). Every command also gets `tracking.uri=sqlite:///<dir>/store.db\n"
+        "checkpoint_root=<dir>/ckpt`; the time is the wall time of the whole process, Python start included.\n\n"
+        + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    write_table(Path(sys.argv[1]))
