@@ -40,6 +40,7 @@ from graft_exp.tracking.runs import (
     stored_log_run,
 )
 from graft_exp.tracking.store import (
+    EXPERIMENT_TAGS,
     TrackingError,
     check_credentials,
     check_store,
@@ -52,6 +53,7 @@ from graft_exp.tracking.store import (
 __all__ = [
     "DATA_ORDER_TAG",
     "DESCRIPTION_TAG",
+    "EXPERIMENT_TAGS",
     "PARENT_TAG",
     "AlreadyRunning",
     "StoredLogMissing",
