@@ -30,7 +30,7 @@ from graft_exp.methods import Registry, resolve
 #: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
 #: sequences) of own and peer rows, of those the clipped ones, and SGT's NLL tokens.
 COUNT_METRICS = ("tokens_self", "tokens_peer", "clipped_tokens_self", "clipped_tokens_peer",
-                 "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer", "sft_tokens")
+                 "seqs_self", "seqs_peer", "clipped_seqs_self", "clipped_seqs_peer", "nll_tokens")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class LossSpec:
 
 
 @dataclass
-class SftRows:
+class NllRows:
     """SGT's NLL rows: log-probs and mask of the drawn correct peer responses, and the term's
     token denominator (None: the rows' own token count)."""
 
@@ -113,7 +113,7 @@ def receiver_loss(spec: LossSpec, log_prob: torch.Tensor, mask: torch.Tensor, ad
     ``columns`` are the spec's ``columns`` (``denominator`` too: the minibatch's present-token count, or
     sequence count for HACPO, when this is a micro-batch). GRAFT and its token-level variants: eq. (10)
     with ``old_log_prob`` the receiver-old policy of own and peer rows. SGT adds ``sgt_lambda`` x NLL of
-    ``sft``. HACPO: its sequence-level objective with ``source_mean_log_prob`` (the generating policy's
+    ``nll_rows``. HACPO: its sequence-level objective with ``source_mean_log_prob`` (the generating policy's
     mean token log-prob), the per-row ``capability_ratio``, the minibatch's position and, when
     ``hacpo_kl_coef > 0``, the KL to ``ref_log_prob`` on own rows.
     """
@@ -137,17 +137,17 @@ OBJECTIVES.register("luffy", Objective(_clipped("luffy", lambda spec: {"gamma": 
                                        frozenset({"old_log_prob", "denominator"})))
 
 
-def _sgt(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None, sft=None):
+def _sgt(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None, nll_rows=None):
     """GRAFT's clipped loss on own rows plus ``sgt_lambda`` x the NLL of the drawn correct peer responses."""
     loss, raw = _graft(spec, log_prob, mask, advantages, weights, is_peer, old_log_prob=old_log_prob,
                        denominator=denominator)
-    if sft is not None:
-        nll, sft_raw = sgt_nll_loss(sft.log_prob, sft.mask, spec.sgt_lambda, num_tokens=sft.num_tokens)
-        loss, raw = loss + nll, {**raw, **sft_raw}
+    if nll_rows is not None:
+        nll, nll_metrics = sgt_nll_loss(nll_rows.log_prob, nll_rows.mask, spec.sgt_lambda, num_tokens=nll_rows.num_tokens)
+        loss, raw = loss + nll, {**raw, **nll_metrics}
     return loss, raw
 
 
-OBJECTIVES.register("sgt", Objective(_sgt, frozenset({"old_log_prob", "denominator", "sft"})))
+OBJECTIVES.register("sgt", Objective(_sgt, frozenset({"old_log_prob", "denominator", "nll_rows"})))
 
 
 def _hacpo(spec, log_prob, mask, advantages, weights, is_peer, *, source_mean_log_prob, capability_ratio=1.0,

@@ -196,7 +196,7 @@ def test_sgt_nll_term():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     loss, metrics = sgt_nll_loss(log_prob, mask, coef=0.1)
     assert loss.item() == pytest.approx(0.1 * 6 / 3)
-    assert float(metrics["sft_nll"]) == pytest.approx(2.0) and float(metrics["sft_tokens"]) == 3
+    assert float(metrics["nll_mean"]) == pytest.approx(2.0) and float(metrics["nll_tokens"]) == 3
     loss.backward()
     torch.testing.assert_close(log_prob.grad, -0.1 * mask / 3)
     empty, _ = sgt_nll_loss(torch.zeros(0, 4, requires_grad=True), torch.zeros(0, 4))

@@ -70,7 +70,7 @@ def test_components_answer_what_the_code_asks(compose_cfg):
     stored = methods.resolve(compose_cfg("method=graft_stored").method)
     assert stored.replays_stored_log and stored.source.replays_log_of in methods.METHODS
     sgt = LossSpec.from_method(compose_cfg("method=sgt").method)
-    assert "sft" in sgt.columns and not sgt.sequence_level
+    assert "nll_rows" in sgt.columns and not sgt.sequence_level
     assert LossSpec.from_method(compose_cfg("method=graft_seq_ratio").method).kind == "sequence_ratio"
     assert LossSpec.from_method(compose_cfg("method=grpo_n8").method).kind == "graft"
 

@@ -220,7 +220,7 @@ def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, 
     mask = batch.batch["response_mask"].float()
     row_advantage = (batch.batch["advantages"] * mask).sum(1) / mask.sum(1)
     got = sorted(zip(cols[vb.PROMPT_INDEX].tolist(), cols[vb.RESPONSE_INDEX].tolist(),
-                     batch.batch[vl.IS_PEER].bool().tolist(), batch.batch[vl.SFT].bool().tolist(),
+                     batch.batch[vl.IS_PEER].bool().tolist(), batch.batch[vl.NLL].bool().tolist(),
                      cols[vb.GROUP].tolist(), [round(float(a), 5) for a in row_advantage],
                      [pytest.approx(float(w)) for w in batch.batch[vl.WEIGHT]]))
     assert got == expected
@@ -245,7 +245,7 @@ def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, 
 
     groups = plan.minibatches(method, 2, torch.Generator().manual_seed(1))
     minibatches = vb.minibatch_layout(batch, groups, dp_size=2, sequence_mean=method.peer_loss.sequence_level)
-    real = [mb[torch.nonzero((mb.batch[vl.WEIGHT] > 0) | mb.batch[vl.SFT].bool()).flatten()] for mb in minibatches]
+    real = [mb[torch.nonzero((mb.batch[vl.WEIGHT] > 0) | mb.batch[vl.NLL].bool()).flatten()] for mb in minibatches]
     assert sum(len(mb) for mb in real) == len(batch)                    # every row once, dp padding aside
     nonempty = [g for g in groups if any(r.group in g for r in plan.rows) or any(q in g for q, _ in plan.nll)]
     assert [set(mb.non_tensor_batch[vb.GROUP].tolist()) for mb in real] == [set(g) & set(cols[vb.GROUP].tolist())

@@ -38,7 +38,7 @@ from graft_exp import driver, schema, tracking
 from graft_exp.backends.local_policy import top_p_filter
 from graft_exp.backends.verl.backend import VerlBackend
 from graft_exp.backends.verl.config import data_files, model_path
-from graft_exp.backends.verl.loss import IS_PEER, SFT, WEIGHT
+from graft_exp.backends.verl.loss import IS_PEER, NLL, WEIGHT
 from graft_exp.prepare import Source, verl_rows, write_parquet
 from graft_exp.tiny.models import ASSETS, EVAL_SIZE, RECIPES, model_input
 from graft_exp.tiny.task import SKILLS, benchmark, train_split
@@ -178,14 +178,14 @@ class CountingWorkerGroup(EngineWorkerGroup):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.trained = {"own": 0, "peer": 0, "sft": 0}
+        self.trained = {"own": 0, "peer": 0, "nll_rows": 0}
 
     def update_actor(self, data):
         real = data[WEIGHT] > 0
-        peer, sft = data[IS_PEER].bool(), data[SFT].bool()
+        peer, nll_rows = data[IS_PEER].bool(), data[NLL].bool()
         self.trained["own"] += int((real & ~peer).sum())
         self.trained["peer"] += int((real & peer).sum())
-        self.trained["sft"] += int(sft.sum())
+        self.trained["nll_rows"] += int(nll_rows.sum())
         return super().update_actor(data)
 
 
@@ -313,7 +313,7 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
             sent = {model.tokenizer.decode(list(ids)) for ids in model.agent_loop.llm_client.prompts}
             assert sent and sent <= texts, sorted(sent - texts)[:3]
     trained = {role: {k: first.models[role].wg.trained[k] + second.models[role].wg.trained[k]
-                      for k in ("own", "peer", "sft")} for role in ("A", "B")}
+                      for k in ("own", "peer", "nll_rows")} for role in ("A", "B")}
 
     client = resumed.client
     job_metrics = histories(client, job.run_id)
@@ -341,13 +341,13 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         at_best = updates if tags["graft.best_step"] == "2" else first.models[role].wg.calls["update_actor"]
         assert second.models[role].wg.lr_scheduler.last_epoch == at_best
         if method == "grpo_ds":
-            assert trained[role]["peer"] == trained[role]["sft"] == 0
+            assert trained[role]["peer"] == trained[role]["nll_rows"] == 0
             assert "train/peer_groups" not in metrics
         else:
             assert [s for s, _ in metrics["train/peer_groups"]] == [1, 2]
     if method != "grpo_ds":
         # peer rows reached verl's update (SGT: its NLL rows), in at least one direction
-        key = "sft" if method == "sgt" else "peer"
+        key = "nll_rows" if method == "sgt" else "peer"
         assert trained["A"][key] + trained["B"][key] > 0, trained
         if method != "sgt":   # the workers' peer token (HACPO: sequence) counts came back through aggregate_dp
             assert all(trained[role]["peer"] == 0 or "train/clipfrac_peer" in histories(client, r.info.run_id)

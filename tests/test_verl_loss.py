@@ -31,7 +31,7 @@ def actor_config(tmp_path_factory):
     return omega_conf_to_dataclass(verl_config(cfg, "A", str(tmp_path_factory.mktemp("ck"))).actor_rollout_ref.actor)
 
 
-def _batch(seed: int, peers: int = 0, sft_rows: int = 0) -> DataProto:
+def _batch(seed: int, peers: int = 0, nll_count: int = 0) -> DataProto:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 50, (int(torch.randint(1, PROMPT_LEN + 1, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(ROWS)]
@@ -48,16 +48,16 @@ def _batch(seed: int, peers: int = 0, sft_rows: int = 0) -> DataProto:
     weights[ROWS - peers:] = torch.rand(peers, generator=gen) * 0.2 + 0.8
     if peers:
         weights[ROWS - 1] = 0.0   # a response removed by the gate
-    sft = torch.zeros(ROWS)
-    if sft_rows:
-        sft[:sft_rows] = 1
-        weights[:sft_rows] = 0
+    nll_rows = torch.zeros(ROWS)
+    if nll_count:
+        nll_rows[:nll_count] = 1
+        weights[:nll_count] = 0
     mask = data.batch["response_mask"].bool()
     data.batch[vl.WEIGHT] = weights
     data.batch[vl.IS_PEER] = is_peer
-    data.batch[vl.SFT] = sft
+    data.batch[vl.NLL] = nll_rows
     data.batch[vl.DENOMINATOR] = torch.full((ROWS,), float((mask & (weights > 0).unsqueeze(1)).sum()))
-    data.batch[vl.SFT_DENOMINATOR] = torch.full((ROWS,), float(max(int((mask & sft.bool().unsqueeze(1)).sum()), 1)))
+    data.batch[vl.NLL_DENOMINATOR] = torch.full((ROWS,), float(max(int((mask & nll_rows.bool().unsqueeze(1)).sum()), 1)))
     data.batch[vl.MINIBATCH_INDEX] = torch.full((ROWS,), 2.0)
     return data
 
@@ -127,15 +127,15 @@ def test_micro_batched_peer_loss_equals_graft_policy_loss(actor_config):
         assert sum(m[f"graft/{key}"].aggregate() for m in metrics) == pytest.approx(float(raw[key]))
 
 
-def test_sgt_adds_nll_of_sft_rows(actor_config):
-    data = _batch(2, sft_rows=2)
+def test_sgt_adds_nll_of_nll_rows(actor_config):
+    data = _batch(2, nll_count=2)
     theta = torch.tensor(0.3, requires_grad=True)
     ours, _, _ = _run_verl_path(data, partial(actor_loss, actor_config, LossSpec(kind="sgt")), theta, 4)
     log_prob = _padded(data, theta).detach()
     pg, _ = graft_policy_loss(log_prob, data.batch["old_log_probs"], data.batch["advantages"], data.batch[vl.WEIGHT],
                               data.batch["response_mask"])
-    sft = data.batch[vl.SFT].bool()
-    nll, _ = sgt_nll_loss(log_prob[sft], data.batch["response_mask"][sft], 0.1)
+    nll_rows = data.batch[vl.NLL].bool()
+    nll, _ = sgt_nll_loss(log_prob[nll_rows], data.batch["response_mask"][nll_rows], 0.1)
     assert float(ours) == pytest.approx(float(pg + nll), rel=1e-5)
 
 

@@ -157,10 +157,10 @@ def _sgt_batch(model: VerlModel, rows: int, nll_rows: list[int]) -> DataProto:
     data.batch["advantages"] = advantage.unsqueeze(1) * data.batch["response_mask"]
     weight = torch.ones(rows)
     weight[nll_rows] = 0.0
-    sft = torch.zeros(rows)
-    sft[nll_rows] = 1.0
-    data.batch[vl.WEIGHT], data.batch[vl.SFT] = weight, sft
-    data.batch[vl.IS_PEER] = sft.clone()
+    is_nll = torch.zeros(rows)
+    is_nll[nll_rows] = 1.0
+    data.batch[vl.WEIGHT], data.batch[vl.NLL] = weight, is_nll
+    data.batch[vl.IS_PEER] = is_nll.clone()
     data.non_tensor_batch[vb.GROUP] = np.arange(rows)
     return data
 
@@ -181,8 +181,8 @@ def _reference_gradient(model: VerlModel, data: DataProto, spec: LossSpec) -> di
     mask = data.batch["response_mask"]
     pg, _ = graft_policy_loss(log_prob, data.batch["old_log_probs"], data.batch["advantages"], data.batch[vl.WEIGHT],
                               mask, spec.clip_low, spec.clip_high, clip_ratio_c=spec.clip_ratio_c)
-    sft = data.batch[vl.SFT].bool()
-    nll, _ = sgt_nll_loss(log_prob[sft], mask[sft], spec.sgt_lambda)
+    nll_rows = data.batch[vl.NLL].bool()
+    nll, _ = sgt_nll_loss(log_prob[nll_rows], mask[nll_rows], spec.sgt_lambda)
     (pg + nll).backward()
     return {name: p.grad for name, p in hf.named_parameters()}
 
@@ -197,16 +197,16 @@ def test_update_of_odd_minibatch_equals_unpadded_objective(tmp_path, dp_size):
     (minibatch,) = vb.minibatch_layout(data, [list(range(7))], dp_size=dp_size)
     padding = len(minibatch) - 7
     assert len(minibatch) % dp_size == 0 and padding == (-7) % dp_size
-    assert int((minibatch.batch[vl.WEIGHT] > 0).sum()) == 5 and int(minibatch.batch[vl.SFT].sum()) == 2
+    assert int((minibatch.batch[vl.WEIGHT] > 0).sum()) == 5 and int(minibatch.batch[vl.NLL].sum()) == 2
     metrics = model.update_minibatches([minibatch])
     grads = {name: p.grad.full_tensor() for name, p in model.wg.model.named_parameters()}
     reference = _reference_gradient(model, data, model.loss)
     for name, grad in reference.items():
         assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-7), name
     mask = data.batch["response_mask"].bool()
-    sft = data.batch[vl.SFT].bool()
-    assert metrics["graft/sft_tokens"] == [pytest.approx(float(mask[sft].sum()))]
-    assert metrics["graft/tokens_self"] == [pytest.approx(float(mask[~sft].sum()))]
+    nll_rows = data.batch[vl.NLL].bool()
+    assert metrics["graft/nll_tokens"] == [pytest.approx(float(mask[nll_rows].sum()))]
+    assert metrics["graft/tokens_self"] == [pytest.approx(float(mask[~nll_rows].sum()))]
     assert model.wg.calls == {"update_actor": 1}
 
 
@@ -218,7 +218,7 @@ def test_every_rank_emits_every_metric_key(tmp_path):
     model = _model(tmp_path, "sgt", 2)
     data = _sgt_batch(model, 8, nll_rows=[1, 2])     # rows 0-3 go to rank 0, rows 4-7 to rank 1
     data.batch[vl.DENOMINATOR] = torch.full((8,), 10.0)
-    data.batch[vl.SFT_DENOMINATOR] = torch.full((8,), 4.0)
+    data.batch[vl.NLL_DENOMINATOR] = torch.full((8,), 4.0)
     td = left_right_2_no_padding(data.to_tensordict())
     tu.assign_non_tensor(td, dp_size=2, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, batch_num_tokens=1)
     loss_fn = partial(actor_loss, None, model.loss)
@@ -235,7 +235,7 @@ def test_every_rank_emits_every_metric_key(tmp_path):
     assert per_rank[0].keys() == per_rank[1].keys()
     (aggregated,) = [aggregate_mini_batch_metrics([gather_by_key(per_rank)])]
     mask = data.batch["response_mask"].bool()
-    assert aggregated["graft/sft_tokens"] == [pytest.approx(float(mask[[1, 2]].sum()))]
+    assert aggregated["graft/nll_tokens"] == [pytest.approx(float(mask[[1, 2]].sum()))]
     two = Metric("sum", 1.0)
     two.append(2.0)
     with pytest.raises(ValueError, match="same number of values"):   # what a key emitted by some micro-batches does

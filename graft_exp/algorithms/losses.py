@@ -289,7 +289,7 @@ def sgt_nll_loss(
     """SGT's auxiliary term: ``coef`` (lambda = 0.1) times the token-mean negative log-likelihood, under
     the receiver, of the drawn correct peer responses (``log_prob`` [B, T] of those rows only). Added to
     the GRPO loss by the trainer. With no rows (B = 0 or no tokens) the term is 0 and keeps the graph.
-    Metrics: ``sft_nll`` (unscaled token-mean NLL), ``sft_tokens``."""
+    Metrics: ``nll_mean`` (unscaled token-mean NLL), ``nll_tokens``."""
     check_ndim("log_prob", log_prob, 2)
     check_mask_like("response_mask", response_mask, "log_prob", log_prob)
     if not coef >= 0:
@@ -301,4 +301,4 @@ def sgt_nll_loss(
     tokens = mask.sum()
     denominator = tokens.clamp(min=1) if num_tokens is None else num_tokens
     nll = -_masked(log_prob, mask).sum() / denominator
-    return coef * nll, {"sft_nll": nll.detach(), "sft_tokens": tokens.detach().float()}
+    return coef * nll, {"nll_mean": nll.detach(), "nll_tokens": tokens.detach().float()}

@@ -18,7 +18,7 @@ from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
 from graft_exp.costs import accounted_gpus
 from graft_exp.exchange import PEER, ReceiverBatch, Scorer
-from graft_exp.objective import COUNT_METRICS, LossSpec, SftRows, generation_mean_log_prob, receiver_loss
+from graft_exp.objective import COUNT_METRICS, LossSpec, NllRows, generation_mean_log_prob, receiver_loss
 from graft_exp.rollouts import Rollouts
 from graft_exp.tiny import models as tiny
 from graft_exp.tiny.task import SKILLS, Problem, train_split
@@ -165,7 +165,7 @@ class LocalBackend:
             if nll:
                 nll_prompts = self.prompt_ids(role, [own.problems[q] for q, _ in nll])
                 nll_ids = [policy.encode_response(source.responses[q][i], bool(source.finished[q, i])) for q, i in nll]
-                columns["sft"] = SftRows(*policy.token_log_probs(nll_prompts, nll_ids))
+                columns["nll_rows"] = NllRows(*policy.token_log_probs(nll_prompts, nll_ids))
             loss, raw = receiver_loss(spec, log_prob, mask, **columns)
             for key in COUNT_METRICS:
                 totals[key] += float(raw.get(key, 0.0))

@@ -29,8 +29,8 @@ from graft_exp.backends.verl.loss import (
     DENOMINATOR,
     IS_PEER,
     MINIBATCH_INDEX,
-    SFT,
-    SFT_DENOMINATOR,
+    NLL,
+    NLL_DENOMINATOR,
     SOURCE_MEAN_LOG_PROB,
     WEIGHT,
 )
@@ -189,24 +189,24 @@ def receiver_batch(own: DataProto, n: int, peer: DataProto | None, plan: Receive
     """The exchange's ``ReceiverBatch`` as verl rows with the loss's columns: own rows from the receiver's
     rollouts ``own`` (prompt-major, ``n`` per prompt), peer rows and SGT's NLL rows from ``peer`` (the
     ``PeerScorer``'s scored rows). Columns: ``advantages`` (the row's advantage on its response tokens,
-    verl's [B, T] convention), ``graft_weight``, ``graft_is_peer``, ``graft_sft`` (NLL rows: weight 0,
+    verl's [B, T] convention), ``graft_weight``, ``graft_is_peer``, ``graft_nll`` (NLL rows: weight 0,
     advantage 0), and the rows' prompt, response and group indices. Both inputs need ``old_log_probs``
     under the *receiver's* old policy."""
     own_rows = [r for r in plan.rows if r.origin == SELF]
     peer_rows = [r for r in plan.rows if r.origin == PEER]
-    parts = [_rows(own, [r.prompt * n + r.sample for r in own_rows], *_row_columns(own_rows), peer=False, sft=False)]
+    parts = [_rows(own, [r.prompt * n + r.sample for r in own_rows], *_row_columns(own_rows), peer=False, nll_rows=False)]
     if peer_rows or plan.nll:
         if peer is None:
             raise ValueError("the receiver batch has peer rows but no scored peer batch was given")
         where = {(int(q), int(i)): row for row, (q, i) in
                  enumerate(zip(peer.non_tensor_batch[PROMPT_INDEX], peer.non_tensor_batch[RESPONSE_INDEX]))}
         parts.append(_rows(peer, [where[r.prompt, r.sample] for r in peer_rows], *_row_columns(peer_rows),
-                           peer=True, sft=False))
+                           peer=True, nll_rows=False))
         # SGT's drawn correct responses enter only the NLL term, in their prompt's group.
         prompts, samples = [q for q, _ in plan.nll], [i for _, i in plan.nll]
         zeros = [0.0] * len(plan.nll)
         parts.append(_rows(peer, [where[q, i] for q, i in plan.nll], prompts, samples, prompts, zeros, zeros,
-                           peer=True, sft=True))
+                           peer=True, nll_rows=True))
     return DataProto.concat(parts)
 
 
@@ -217,14 +217,14 @@ def _row_columns(rows: list[Row]) -> tuple[list, list, list, list, list]:
 
 
 def _rows(batch: DataProto, index: list[int], prompt: list[int], sample: list[int], group: list[int],
-          advantage: list[float], weight: list[float], *, peer: bool, sft: bool) -> DataProto:
+          advantage: list[float], weight: list[float], *, peer: bool, nll_rows: bool) -> DataProto:
     """Rows ``index`` of ``batch`` with the loss's columns and their exchange indices."""
     part = batch.select(batch_keys=list(TRAIN_COLUMNS), non_tensor_batch_keys=[])[torch.tensor(index, dtype=torch.long)]
     mask = part.batch["response_mask"].float()
     part.batch["advantages"] = torch.tensor(advantage, dtype=torch.float32).unsqueeze(1) * mask
     part.batch[WEIGHT] = torch.tensor(weight, dtype=torch.float32)
     part.batch[IS_PEER] = torch.full((len(index),), float(peer))
-    part.batch[SFT] = torch.full((len(index),), float(sft))
+    part.batch[NLL] = torch.full((len(index),), float(nll_rows))
     part.non_tensor_batch.update({PROMPT_INDEX: np.asarray(prompt, dtype=np.int64),
                                   RESPONSE_INDEX: np.asarray(sample, dtype=np.int64),
                                   GROUP: np.asarray(group, dtype=np.int64)})
@@ -278,13 +278,13 @@ def _dp_layout(batch: DataProto, rows: list[int], seqlens: torch.Tensor, dp_size
     minibatch = batch[torch.tensor(laid_out)]
     weight = torch.where(is_padding, torch.zeros(()), minibatch.batch[WEIGHT])
     minibatch.batch[WEIGHT] = weight
-    minibatch.batch[SFT] = torch.where(is_padding, torch.zeros(()), minibatch.batch[SFT])
+    minibatch.batch[NLL] = torch.where(is_padding, torch.zeros(()), minibatch.batch[NLL])
     mask = minibatch.batch["response_mask"].bool()
     present = weight > 0
     denominator = int(present.sum()) if sequence_mean else int((mask & present.unsqueeze(1)).sum())
-    sft_tokens = (mask & minibatch.batch[SFT].bool().unsqueeze(1)).sum()
+    nll_tokens = (mask & minibatch.batch[NLL].bool().unsqueeze(1)).sum()
     rows_count = len(laid_out)
     minibatch.batch[DENOMINATOR] = torch.full((rows_count,), float(max(denominator, 1)))
-    minibatch.batch[SFT_DENOMINATOR] = torch.full((rows_count,), float(max(int(sft_tokens), 1)))
+    minibatch.batch[NLL_DENOMINATOR] = torch.full((rows_count,), float(max(int(nll_tokens), 1)))
     minibatch.batch[MINIBATCH_INDEX] = torch.full((rows_count,), float(position))
     return minibatch

@@ -14,7 +14,7 @@ Columns the driver adds to the receiver batch (one value per row; see ``batch.py
 - ``graft_denominator`` the token-mean denominator of the row's optimizer minibatch: response tokens of
                         its rows with weight > 0 (HACPO: its number of sequences), identical on every row
                         of a minibatch, so that micro-batching and data parallelism leave eq. (10) intact;
-- ``graft_sft`` / ``graft_sft_denominator`` (SGT): rows of the drawn correct peer responses, which enter
+- ``graft_nll`` / ``graft_nll_denominator`` (SGT): rows of the drawn correct peer responses, which enter
                         only the NLL term (their PG weight is 0), and that term's minibatch token count;
 - ``graft_source_mean_log_prob``, ``graft_capability_ratio``, ``graft_minibatch_index`` (HACPO).
 
@@ -28,10 +28,10 @@ from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from graft_exp.objective import COUNT_METRICS, LossSpec, SftRows, receiver_loss
+from graft_exp.objective import COUNT_METRICS, LossSpec, NllRows, receiver_loss
 
 WEIGHT, IS_PEER, DENOMINATOR = "graft_weight", "graft_is_peer", "graft_denominator"
-SFT, SFT_DENOMINATOR = "graft_sft", "graft_sft_denominator"
+NLL, NLL_DENOMINATOR = "graft_nll", "graft_nll_denominator"
 SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO, MINIBATCH_INDEX = (
     "graft_source_mean_log_prob", "graft_capability_ratio", "graft_minibatch_index")
 
@@ -47,7 +47,7 @@ def _first(values: torch.Tensor) -> float:
 
 def _metrics(loss: torch.Tensor, raw: dict[str, torch.Tensor], dp_size: int) -> dict:
     """Every micro-batch on every rank emits the same keys: verl's ``Metric.aggregate_dp`` needs one value
-    per micro-batch from each data-parallel rank (a key only some micro-batches emit, e.g. ``sft_tokens``
+    per micro-batch from each data-parallel rank (a key only some micro-batches emit, e.g. ``nll_tokens``
     of SGT's NLL rows, fails there or is averaged over the wrong number of ranks), so a count a
     micro-batch has no rows for is 0."""
     # verl averages SUM metrics over data-parallel ranks, then sums over micro-batches: counts are scaled
@@ -69,14 +69,14 @@ def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     dp_size = int(data["dp_size"])
     cols = _columns(data, ["response_mask", "old_log_probs", "advantages", "ref_log_prob", WEIGHT, IS_PEER,
-                           DENOMINATOR, SFT, SFT_DENOMINATOR, SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO,
+                           DENOMINATOR, NLL, NLL_DENOMINATOR, SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO,
                            MINIBATCH_INDEX])
     mask = cols["response_mask"].bool()
     needs, extra = spec.columns, {}
-    if "sft" in needs and SFT in cols.keys():  # noqa: SIM118 (TensorDict keys)
-        rows = cols[SFT].bool()
+    if "nll_rows" in needs and NLL in cols.keys():  # noqa: SIM118 (TensorDict keys)
+        rows = cols[NLL].bool()
         if bool(rows.any()):
-            extra["sft"] = SftRows(log_prob[rows], mask[rows], _first(cols[SFT_DENOMINATOR][rows]))
+            extra["nll_rows"] = NllRows(log_prob[rows], mask[rows], _first(cols[NLL_DENOMINATOR][rows]))
     if "old_log_prob" in needs:
         extra["old_log_prob"] = cols["old_log_probs"]
     if "source_mean_log_prob" in needs:
