@@ -13,6 +13,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from graft_exp import schema
+
 #: A pending job Slurm will not start by itself: held after a failed launch ("launch failed requeued
 #: held"), or by a user or an administrator. ``slurm_queue`` reports it in place of PENDING.
 SLURM_HELD = "HELD"
@@ -44,13 +46,13 @@ def log_path() -> str | None:
 
 def location_tags() -> dict[str, str]:
     """Tags saying where this job runs now (a requeued job updates them)."""
-    tags = {"graft.host": socket.gethostname(), "graft.pid": str(os.getpid())}
+    tags = {schema.HOST: socket.gethostname(), schema.PID: str(os.getpid())}
     job = slurm_job_id()
     if job:
-        tags["graft.slurm_job_id"] = job
+        tags[schema.SLURM_JOB_ID] = job
     log = log_path()
     if log:
-        tags["graft.log"] = log
+        tags[schema.LOG] = log
     return tags
 
 
@@ -100,12 +102,12 @@ def process_alive(pid: int) -> bool:
 def liveness(tags: dict[str, str], queue: dict[str, str] | None) -> bool | None:
     """Whether the job that last wrote a run (by its location tags) is still alive: True, False, or
     None when this machine cannot tell (another host, or Slurm unreachable from here)."""
-    job = tags.get("graft.slurm_job_id")
+    job = tags.get(schema.SLURM_JOB_ID)
     if job:
         if queue is None:
             return None
         return queue.get(job) in SLURM_ACTIVE
-    host, pid = tags.get("graft.host"), tags.get("graft.pid")
+    host, pid = tags.get(schema.HOST), tags.get(schema.PID)
     if host and pid and host == socket.gethostname():
         return process_alive(int(pid))
     return None

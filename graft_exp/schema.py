@@ -66,6 +66,9 @@ GPU_HOURS = "cost/gpu_hours"
 TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
 BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
+STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
+GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
+SLURM_JOB_ID, HOST, PID, LOG = "graft.slurm_job_id", "graft.host", "graft.pid", "graft.log"   # where a job runs
 
 
 def exchange_metric(source: str, receiver: str) -> str:

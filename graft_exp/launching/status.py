@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from graft_exp import scheduler
+from graft_exp import scheduler, schema
 
 RUN_COLUMNS = ["run_id", "key", "status", "start_time", "end_time", "parent", "slurm_job_id", "host",
                "pid", "log", "experiment"]
@@ -37,11 +37,11 @@ def fetch_runs(uri: str) -> pd.DataFrame:
                                   order_by=["attributes.start_time DESC"])
         for run in page:
             tags = run.data.tags
-            if "graft.run_key" not in tags:
+            if schema.RUN_KEY not in tags:
                 continue
-            rows.append((run.info.run_id, tags["graft.run_key"], run.info.status, run.info.start_time,
-                         run.info.end_time, tags.get("mlflow.parentRunId"), tags.get("graft.slurm_job_id"),
-                         tags.get("graft.host"), tags.get("graft.pid"), tags.get("graft.log"),
+            rows.append((run.info.run_id, tags[schema.RUN_KEY], run.info.status, run.info.start_time,
+                         run.info.end_time, tags.get("mlflow.parentRunId"), tags.get(schema.SLURM_JOB_ID),
+                         tags.get(schema.HOST), tags.get(schema.PID), tags.get(schema.LOG),
                          exps[run.info.experiment_id]))
         token = page.token
         if not token:
@@ -109,8 +109,8 @@ def run_state(run: dict | None, queue: dict[str, str] | None, submission: Submis
         return FAILED, log
     if not check_liveness:
         return RUNNING, log
-    tags = {"graft.slurm_job_id": run.get("slurm_job_id"), "graft.host": run.get("host"),
-            "graft.pid": run.get("pid")}
+    tags = {schema.SLURM_JOB_ID: run.get("slurm_job_id"), schema.HOST: run.get("host"),
+            schema.PID: run.get("pid")}
     alive = scheduler.liveness({k: v for k, v in tags.items() if v}, queue)
     if alive is False:
         return CRASHED, log

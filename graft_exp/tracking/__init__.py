@@ -19,7 +19,6 @@ description, and each model run its training and benchmark data as dataset input
 from graft_exp.tracking.datasets import dataset_inputs, log_dataset_inputs
 from graft_exp.tracking.identity import flatten, git_sha, identity, model_run_key, run_key, source_tags
 from graft_exp.tracking.runs import (
-    DATA_ORDER_TAG,
     DESCRIPTION_TAG,
     PARENT_TAG,
     AlreadyRunning,
@@ -51,7 +50,6 @@ from graft_exp.tracking.store import (
 )
 
 __all__ = [
-    "DATA_ORDER_TAG",
     "DESCRIPTION_TAG",
     "EXPERIMENT_TAGS",
     "PARENT_TAG",

@@ -27,7 +27,6 @@ MAX_PARAMS = 100   # ... and on params per call
 
 
 DESCRIPTION_TAG = "mlflow.note.content"
-DATA_ORDER_TAG = "graft.data_order"   # model runs: what a graft_stored replay must match
 
 
 @dataclass
@@ -121,16 +120,16 @@ def _refuse_live_duplicate(client: MlflowClient, key: str) -> None:
         return
     tags = found.data.tags
     me = scheduler.slurm_job_id()
-    if tags.get("graft.slurm_job_id"):
-        if tags["graft.slurm_job_id"] == me:
+    if tags.get(schema.SLURM_JOB_ID):
+        if tags[schema.SLURM_JOB_ID] == me:
             return
         alive = scheduler.liveness(tags, scheduler.slurm_queue())
-    elif tags.get("graft.pid") == str(os.getpid()) and not me:
+    elif tags.get(schema.PID) == str(os.getpid()) and not me:
         return
     else:
         alive = scheduler.liveness(tags, None)
     if alive:
-        where = tags.get("graft.slurm_job_id") or f"pid {tags.get('graft.pid')} on {tags.get('graft.host')}"
+        where = tags.get(schema.SLURM_JOB_ID) or f"pid {tags.get(schema.PID)} on {tags.get(schema.HOST)}"
         raise AlreadyRunning(f"run {found.info.run_id} (graft.run_key={key}) is being trained by {where}; "
                              "not starting a second copy")
 
@@ -138,8 +137,8 @@ def _refuse_live_duplicate(client: MlflowClient, key: str) -> None:
 def common_tags(cfg: DictConfig) -> dict[str, str]:
     """Tags of job and model runs: what the run is, and where it runs now."""
     return {
-        "graft.study": cfg.study, "graft.method": cfg.method.name, "graft.pair": cfg.pair.name,
-        "graft.seed": str(cfg.seed), "graft.backend": cfg.backend.name,
+        schema.STUDY: cfg.study, schema.METHOD: cfg.method.name, schema.PAIR: cfg.pair.name,
+        schema.SEED: str(cfg.seed), schema.BACKEND: cfg.backend.name,
         **scheduler.location_tags(),
     }
 
@@ -217,7 +216,7 @@ def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
             f"method={cfg.method.name} replays the trajectory log of the finished GRPO n=8 run with seed "
             f"{cfg.seed} of {' and '.join(missing)}, and {cfg.tracking.uri} has none: launch "
             f"`python -m graft_exp pair={cfg.pair.name} method={replayed_method(cfg)} seed={cfg.seed}` first")
-    other = [peer for peer, run in runs.items() if run.data.tags.get(DATA_ORDER_TAG) != data_order(cfg)]
+    other = [peer for peer, run in runs.items() if run.data.tags.get(schema.DATA_ORDER) != data_order(cfg)]
     if other:
         raise StoredLogMissing(
             f"method={cfg.method.name} replays the GRPO n=8 log of {' and '.join(other)} (seed {cfg.seed}), "
@@ -237,7 +236,7 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     key = run_key(cfg)
     _refuse_live_duplicate(client, key)
     check_stored_logs(cfg, client)
-    tags = {**common_tags(cfg), "graft.git_sha": git_sha(), **source_tags("python -m graft_exp"),
+    tags = {**common_tags(cfg), schema.GIT_SHA: git_sha(), **source_tags("python -m graft_exp"),
             **environment.tags(), DESCRIPTION_TAG: job_description(cfg)}
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
     job = _open(client, experiment_id, key, tags, name, cfg.rerun)
@@ -256,7 +255,7 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
         schema.PEER: cfg.pair[other] if cfg.method.co_train else "none",
-        schema.ROLE: role, "graft.n": str(cfg.method.n), DATA_ORDER_TAG: data_order(cfg),
+        schema.ROLE: role, schema.N: str(cfg.method.n), schema.DATA_ORDER: data_order(cfg),
         **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),
     }
