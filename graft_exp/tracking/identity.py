@@ -18,7 +18,9 @@ from graft_exp import scheduler
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")
 
 
-def _hash(obj) -> str:
+def stable_hash(obj) -> str:
+    """16 hex digits of the SHA-256 of ``obj`` as canonical JSON (sorted keys): the same on every
+    machine and Python version, so run keys found in the store match the ones computed now."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -30,7 +32,7 @@ def identity(cfg: DictConfig) -> dict:
 
 def run_key(cfg: DictConfig) -> str:
     """``graft.run_key`` of a job: stable hash of its identity config."""
-    return _hash(identity(cfg))
+    return stable_hash(identity(cfg))
 
 
 def model_run_key(cfg: DictConfig, role: str) -> str:
@@ -38,10 +40,10 @@ def model_run_key(cfg: DictConfig, role: str) -> str:
     GRPO baseline of (model, method, seed) is one run whichever pair launches it."""
     ident = identity(cfg)
     if cfg.method.co_train:
-        return _hash({"job": ident, "role": role})
+        return stable_hash({"job": ident, "role": role})
     ident.pop("pair")
     ident["model"] = cfg.pair[role]
-    return _hash(ident)
+    return stable_hash(ident)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:

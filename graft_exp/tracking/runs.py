@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import environment, methods, scheduler, schema
 from graft_exp.tracking.datasets import log_dataset_inputs
-from graft_exp.tracking.identity import _hash, flatten, git_sha, model_run_key, run_key, source_tags
+from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags, stable_hash
 from graft_exp.tracking.store import TrackingError, ensure_store, experiment_name
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -202,7 +202,7 @@ def stored_log_peers(cfg: DictConfig) -> list[str]:
 def data_order(cfg: DictConfig) -> str:
     """What fixes the prompts of every training step: the data, its size, the batch size and the seed,
     with batches inside epochs (a replayed log must have been written in the same order)."""
-    return _hash({"data": cfg.pair.data, "train_size": cfg.pair.train_size, "seed": cfg.seed,
+    return stable_hash({"data": cfg.pair.data, "train_size": cfg.pair.train_size, "seed": cfg.seed,
                   "batch_prompts": cfg.train.batch_prompts, "batches": "within epochs, partial dropped"})
 
 
