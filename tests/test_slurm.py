@@ -217,21 +217,22 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, own_slurm, work
 
 
 def test_failed_job_is_reported_as_it_fails_and_slurm_says_failed(slurm, workdir):
-    """A job that cannot write its checkpoints (its checkpoint root lies under a regular file) fails in the
-    backend after its run started: the sweep names it with its log while running, Slurm records FAILED
-    (not COMPLETED) and the run is FAILED."""
-    (workdir / "not-a-directory").write_text("")
-    checkpoints = workdir / "not-a-directory" / "checkpoints"
+    """A job that cannot write its run directory fails after its run started (the checkpoint root is
+    writable, so the launch-time checks pass, but ``<checkpoint_root>/<run_key>`` is a regular file): the
+    sweep names it with its log while running, Slurm records FAILED (not COMPLETED) and the run is FAILED."""
+    checkpoints = workdir / "checkpoints"
+    checkpoints.mkdir()
     path = sweep_file(workdir / "failing.yaml", ["graft"])
-    done = run_sweep(path, workdir, slurm, timeout=900, checkpoints=checkpoints)
-    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     (sj,) = plan(path, [f"tracking.uri={uri}", f"checkpoint_root={checkpoints}", *SHORT]).jobs
+    (checkpoints / sj.key).write_text("")
+    done = run_sweep(path, workdir, slurm, timeout=900, checkpoints=checkpoints)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     (run,) = runs_by_key(uri)[sj.key]
     assert run.info.status == "FAILED"
     log = run.data.tags["graft.log"]
     assert f"failed #0 pair=tiny method=graft seed=0: log {log}" in done.stdout
-    assert "NotADirectoryError" in Path(log).read_text()
+    assert "FileExistsError" in Path(log).read_text()
 
     def final_state():
         # The sweep reports the failure from MLflow; the job may still be exiting in Slurm.
