@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import ray
+import torch
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_engine import engine_config
 from verl import DataProto
@@ -47,6 +48,11 @@ def test_start_builds_the_rollout_stack(prepared, tmp_path, monkeypatch):  # noq
                                               SEED_COLUMN: np.array([11, 12], dtype=object)})
         out = model.generate(prompts, step=1)
         assert len(out) == 2 and out.batch["responses"].shape[0] == 2
+        # the rollout sampled with the trainer's weights: its log-probs are the trainer's for the same tokens
+        mask = out.batch["response_mask"].bool()
+        trainer = model.log_probs(out)
+        assert mask.any()
+        torch.testing.assert_close(out.batch["rollout_log_probs"][mask], trainer[mask], atol=1e-4, rtol=0)
     finally:
         ray.shutdown()
         shutil.rmtree(kwargs["_temp_dir"], ignore_errors=True)
