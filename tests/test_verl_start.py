@@ -43,16 +43,26 @@ def test_start_builds_the_rollout_stack(prepared, tmp_path, monkeypatch):  # noq
         model = VerlModel("A", config, LossSpec.from_method(cfg.method))
         start_models([model], with_ref=False)
         assert model.replicas == 2   # data-parallel 2, tensor-parallel 1: one replica per worker
-        messages = [[{"role": "user", "content": "1+1="}], [{"role": "user", "content": "2+2="}]]
-        prompts = DataProto.from_single_dict({"raw_prompt": np.array(messages, dtype=object),
-                                              SEED_COLUMN: np.array([11, 12], dtype=object)})
-        out = model.generate(prompts, step=1)
-        assert len(out) == 2 and out.batch["responses"].shape[0] == 2
-        # the rollout sampled with the trainer's weights: its log-probs are the trainer's for the same tokens
-        mask = out.batch["response_mask"].bool()
-        trainer = model.log_probs(out)
-        assert mask.any()
-        torch.testing.assert_close(out.batch["rollout_log_probs"][mask], trainer[mask], atol=1e-4, rtol=0)
+        n = int(config.actor_rollout_ref.rollout.n)
+        messages = [[{"role": "user", "content": q}] for q in ("1+1=", "2+2=") for _ in range(n)]
+
+        def generate(step: int) -> DataProto:
+            prompts = DataProto.from_single_dict({"raw_prompt": np.array(messages, dtype=object),
+                                                  SEED_COLUMN: np.arange(len(messages), dtype=object) + 100 * step})
+            out = model.generate(prompts, step=step)
+            assert len(out) == len(messages)
+            # the rollout sampled with the trainer's current weights: its log-probs are the trainer's
+            mask = out.batch["response_mask"].bool()
+            assert mask.any()
+            out.batch["old_log_probs"] = model.log_probs(out)
+            torch.testing.assert_close(out.batch["rollout_log_probs"][mask], out.batch["old_log_probs"][mask],
+                                       atol=1e-4, rtol=0)
+            return out
+
+        first = generate(1)
+        model.update_grpo(first, torch.linspace(-1, 1, n).repeat(2, 1))
+        assert not torch.allclose(model.log_probs(first), first.batch["old_log_probs"], atol=1e-6)   # trained
+        generate(2)   # after the update: the rollout has the just-updated weights
     finally:
         ray.shutdown()
         shutil.rmtree(kwargs["_temp_dir"], ignore_errors=True)
