@@ -27,7 +27,7 @@ from graft_exp.objective import LossSpec
 pytestmark = [pytest.mark.verl_engine, pytest.mark.slow]
 
 
-def test_start_builds_the_rollout_stack(prepared, tmp_path, monkeypatch):  # noqa: F811
+def test_start_and_rollout_generates_with_the_trained_weights(prepared, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setitem(RolloutReplicaRegistry._registry, "vllm", cpu_replica_class)
     cfg, config = engine_config(prepared, tmp_path, "A")
     kwargs = ray_init_kwargs(config)
@@ -35,6 +35,7 @@ def test_start_builds_the_rollout_stack(prepared, tmp_path, monkeypatch):  # noq
     (tmp_path / "rollout").mkdir()
     kwargs["runtime_env"]["env_vars"][ROLLOUT_DIR_ENV] = str(tmp_path / "rollout")
     kwargs["num_cpus"] = 16
+    # start_local_ray sets this process's Ray token variables; monkeypatch restores them for the next tests
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
         monkeypatch.setenv(key, os.environ.get(key, ""))
         monkeypatch.delenv(key)
