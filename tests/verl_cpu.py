@@ -2,7 +2,9 @@
 into every Ray worker by verl itself (``VERL_USE_EXTERNAL_MODULES=verl_cpu``, read in ``verl/__init__.py``)
 and selected with ``VERL_PLATFORM=cpu`` (``plugin/platform/platform_manager._detect_platform_name``).
 Nothing here applies to a GPU job: only the test suite sets these variables. Each patch names the verl or
-torch line it works around.
+torch line it works around. Also the vLLM stand-ins: the worker-side rollout (``WeightsRollout``, which
+keeps the synced weights and samples with them) and the driver-side replica and server
+(``cpu_replica_class``, ``RolloutServer``).
 """
 
 from __future__ import annotations
