@@ -1,19 +1,26 @@
 """runtime.VerlModel over verl's own CPU-runnable code (tests/verl_standins.py says exactly what is stood in
 for): checkpoints through verl's FSDPCheckpointManager, any row count at data-parallel sizes 2 and 4 (verl's
 split, iterator and micro-batching), per-rank metrics through Metric.aggregate_dp, and the LR schedule
-through verl's own scheduler builder; plus the job-scoped Ray environment and socket names."""
+through verl's own scheduler builder; plus the job-scoped Ray environment and socket names, and the replica
+rank offset over any rollout replica class verl's registry returns."""
 
+import asyncio
+import os
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import ray
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric.utils import Metric
+from verl.workers.config import RolloutConfig
+from verl.workers.rollout.replica import RolloutReplica
 from verl.workers.utils.padding import left_right_2_no_padding
 from verl_standins import EngineWorkerGroup, aggregate_mini_batch_metrics, gather_by_key
 
@@ -27,7 +34,7 @@ from graft_exp.backends.verl.config import (
     verl_config,
 )
 from graft_exp.backends.verl.loss import actor_loss
-from graft_exp.backends.verl.runtime import VerlModel, scoped_job_id, scoped_zmq_handle
+from graft_exp.backends.verl.runtime import VerlModel, offset_replica_class, scoped_job_id, scoped_zmq_handle
 from graft_exp.exchange import SELF, ReceiverBatch, Row
 from graft_exp.objective import LossSpec
 from graft_exp.tiny.models import ASSETS
@@ -309,3 +316,44 @@ def test_ray_environment_and_socket_names_are_per_job(monkeypatch):
     assert ours != scoped_zmq_handle(trainer_side, old_rank, offset, token_b)
     with pytest.raises(ValueError, match="naming changed"):
         scoped_zmq_handle("ipc:///tmp/other.sock", 0, 0, token_a)
+
+
+class _RecordingServer:
+    """A rollout server actor class as a replica launches it; records the job id its workers would see."""
+
+    def __init__(self):
+        os.environ["VERL_RAY_JOB_ID"] = "01000000"
+        self.job_id_seen = os.environ["VERL_RAY_JOB_ID"]
+
+
+class _NonVllmReplica(RolloutReplica):
+    """A rollout replica class of another engine: the offset seam must not depend on vLLM's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server_class = ray.remote(_RecordingServer)
+        self.launched = False
+
+    def get_ray_class_with_init_args(self):
+        raise NotImplementedError("hybrid replicas reuse the trainer's workers")
+
+    async def launch_servers(self):
+        self.launched = True
+
+
+def test_offset_replica_works_for_any_registered_rollout(monkeypatch):
+    from graft_exp.backends.verl.config import JOB_TOKEN_ENV
+
+    monkeypatch.setenv(JOB_TOKEN_ENV, "tok")
+    monkeypatch.setenv("VERL_RAY_JOB_ID", "unset")
+    offset, tp = 2, 2
+    replica_class = offset_replica_class(_NonVllmReplica, offset)
+    config = RolloutConfig(name="vllm", tensor_model_parallel_size=tp)
+    replica = replica_class(replica_rank=offset + 1, config=config, model_config=None, gpus_per_node=4)
+    workers = SimpleNamespace(workers=list("abcdef"))
+    asyncio.run(replica.init_hybrid(workers))
+    assert replica.launched and replica.workers == ["c", "d"]        # local replica 1 of TP 2 -> workers 2, 3
+    server = replica.server_class.__ray_actor_class__()
+    assert server.job_id_seen == "01000000" and os.environ["VERL_RAY_JOB_ID"] == scoped_job_id("01000000", "tok")
+    with pytest.raises(TypeError, match="rollout replica class"):
+        offset_replica_class(_RecordingServer, offset)

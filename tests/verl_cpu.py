@@ -2,7 +2,9 @@
 into every Ray worker by verl itself (``VERL_USE_EXTERNAL_MODULES=verl_cpu``, read in ``verl/__init__.py``)
 and selected with ``VERL_PLATFORM=cpu`` (``plugin/platform/platform_manager._detect_platform_name``).
 Nothing here applies to a GPU job: only the test suite sets these variables. Each patch names the verl or
-torch line it works around.
+torch line it works around. Also the vLLM stand-ins: the worker-side rollout (``WeightsRollout``, which
+keeps the synced weights and samples with them) and the driver-side replica and server
+(``cpu_replica_class``, ``RolloutServer``).
 """
 
 from __future__ import annotations
@@ -207,3 +209,91 @@ class WeightsRollout:
         if directory and torch.distributed.get_rank() == 0:
             torch.save(self.weights, os.path.join(directory, "weights.pt.tmp"))
             os.replace(os.path.join(directory, "weights.pt.tmp"), os.path.join(directory, "weights.pt"))
+
+    def generate(self, prompt_ids: list[int], sampling_params: dict) -> tuple[list[int], list[float]]:
+        """Sample a response with the weights ``update_weights`` delivered (none delivered: refuse), on a
+        Hugging Face model of the rollout's architecture; what vLLM's engine does on the GPU."""
+        if not self.weights:
+            raise RuntimeError("the rollout generates before any weights reached it")
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.from_pretrained(self.model_config.local_path, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(self.weights, strict=False)
+        if unexpected or [name for name in missing if not name.endswith("lm_head.weight")]:
+            raise RuntimeError(f"synced weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+        generator = torch.Generator().manual_seed(int(sampling_params.get("seed") or 0))
+        temperature = float(sampling_params.get("temperature", 1.0)) or 1e-6
+        tokens = torch.tensor([prompt_ids])
+        out, log_probs = [], []
+        with torch.no_grad():
+            for _ in range(int(sampling_params.get("max_tokens", 16))):
+                logits = model(tokens).logits[0, -1].float() / temperature
+                token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+                log_probs.append(float(torch.log_softmax(logits, -1)[token]))
+                out.append(token)
+                if token == config.eos_token_id:
+                    break
+                tokens = torch.cat([tokens, torch.tensor([[token]])], 1)
+        return out, log_probs
+
+
+def _rollout_generate(worker, prompt_ids, sampling_params):
+    """Run on a worker actor (``__ray_call__``): its rollout generates."""
+    return worker.rollout.generate(prompt_ids, sampling_params)
+
+
+class RolloutServer:
+    """The driver-side server actor of a replica (verl's ``vLLMHttpServer``): token-in-token-out generation
+    on the replica's first worker, whose rollout holds the synced weights; the hybrid engine's controls."""
+
+    def __init__(self, workers):
+        import ray
+        self.workers = workers
+        os.environ["VERL_RAY_JOB_ID"] = ray.get_runtime_context().get_job_id()
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+        tokens, log_probs = await self.workers[0].__ray_call__.remote(_rollout_generate, prompt_ids, sampling_params)
+        return TokenOutput(token_ids=tokens, log_probs=log_probs, stop_reason="completed")
+
+    # Hybrid mode: the weights live on the workers (their rollout's resume/release, called by the trainer's
+    # update_weights); the server holds no device memory to free or restore.
+    async def wake_up(self):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        return None
+
+    async def resume_generation(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        return None
+
+
+def cpu_replica_class():
+    """The replica verl's ``RolloutReplicaRegistry`` returns for "vllm" in the test process."""
+    import ray
+    from verl.workers.rollout.replica import RolloutReplica
+
+    class CpuReplica(RolloutReplica):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.server_class = ray.remote(RolloutServer)
+
+        async def launch_servers(self):
+            server = self.server_class.options(name=f"cpu_server_{self.replica_rank}", num_cpus=0).remote(self.workers)
+            self.servers = [server]
+            self._server_handle, self._server_address = server, f"cpu_server_{self.replica_rank}"
+
+    return CpuReplica

@@ -55,7 +55,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout.llm_server import LLMServerManager
-from verl.workers.rollout.replica import RolloutMode
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 from graft_exp.backends.verl import batch as vb
@@ -94,11 +94,11 @@ class GraftActorWorker(ActorRolloutRefWorker):
 
 
 def _job_scoped_server(server: type) -> type:
-    """verl's vLLM server actor whose workers name their weight-transfer socket with the scoped job id."""
+    """The rollout's server actor whose workers name their weight-transfer socket with the scoped job id."""
 
     class JobScopedServer(server):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)   # sets VERL_RAY_JOB_ID; vLLM's workers start later and inherit it
+            super().__init__(*args, **kwargs)   # sets VERL_RAY_JOB_ID; the engine's workers start later and inherit it
             os.environ["VERL_RAY_JOB_ID"] = scoped_job_id(os.environ["VERL_RAY_JOB_ID"], os.environ[JOB_TOKEN_ENV])
 
     JobScopedServer.__name__ = f"JobScoped{server.__name__}"
@@ -106,17 +106,16 @@ def _job_scoped_server(server: type) -> type:
 
 
 def offset_replica_class(base: type, offset: int) -> type:
-    """A vLLM rollout replica class whose global ``replica_rank`` starts at ``offset``, which takes its
-    workers from its own worker group by the local rank, and whose servers scope the socket names."""
-    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
-
-    if not issubclass(base, vLLMReplica):
-        raise TypeError(f"graft_exp's verl backend runs vLLM rollouts; got {base.__name__}")
+    """The rollout replica class verl picked for ``rollout.name`` (vLLM in the paper's runs), with its global
+    ``replica_rank`` starting at ``offset``, its workers taken from its own worker group by the local rank,
+    and its servers (whatever server actor ``base`` launches) scoping the socket names."""
+    if not issubclass(base, RolloutReplica):
+        raise TypeError(f"graft_exp's verl backend needs a verl rollout replica class; got {base.__name__}")
 
     class OffsetReplica(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.server_class = ray.remote(_job_scoped_server(vLLMHttpServer))
+            self.server_class = ray.remote(_job_scoped_server(self.server_class.__ray_actor_class__))
 
         async def init_hybrid(self, worker_group: RayWorkerGroup):
             self.rollout_mode = RolloutMode.HYBRID
