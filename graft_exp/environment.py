@@ -11,15 +11,14 @@ import shutil
 import subprocess
 from importlib import metadata
 
-#: Distribution names (as pip knows them) -> their tag.
-LIBRARIES = {"torch": "graft.env.torch", "transformers": "graft.env.transformers", "verl": "graft.env.verl",
-             "vllm": "graft.env.vllm", "math-verify": "graft.env.math_verify", "mlflow": "graft.env.mlflow"}
+from graft_exp.schema import ENV_CUDA, ENV_DRIVER, ENV_GPU, ENV_LIBRARY_TAGS
+
 NOT_INSTALLED = "none"
 
 
 def library_versions() -> dict[str, str]:
     versions = {}
-    for dist, tag in LIBRARIES.items():
+    for dist, tag in ENV_LIBRARY_TAGS.items():
         try:
             versions[tag] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -43,8 +42,7 @@ def gpu_tags() -> dict[str, str]:
     name, _, driver = first[0].partition(",")
     import torch  # only where there is a GPU: its CUDA build
 
-    return {"graft.env.gpu": name.strip(), "graft.env.driver": driver.strip(),
-            "graft.env.cuda": torch.version.cuda or NOT_INSTALLED}
+    return {ENV_GPU: name.strip(), ENV_DRIVER: driver.strip(), ENV_CUDA: torch.version.cuda or NOT_INSTALLED}
 
 
 def tags() -> dict[str, str]:

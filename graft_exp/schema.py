@@ -12,12 +12,15 @@ import re
 
 #: The job's environment (graft_exp.environment), tags of the job run set at creation and on every
 #: resume: library versions ("none" when not installed); GPU, driver and CUDA only where there is a GPU.
+ENV_PREFIX = "graft.env."
+#: Libraries whose version is recorded: distribution name (as pip knows it) -> tag.
+ENV_LIBRARY_TAGS = {dist: ENV_PREFIX + dist.replace("-", "_")
+                    for dist in ("torch", "transformers", "verl", "vllm", "math-verify", "mlflow")}
+ENV_GPU, ENV_DRIVER, ENV_CUDA = ENV_PREFIX + "gpu", ENV_PREFIX + "driver", ENV_PREFIX + "cuda"
 ENV_TAGS = {
-    "graft.env.torch": "torch version", "graft.env.transformers": "transformers version",
-    "graft.env.verl": "verl version", "graft.env.vllm": "vLLM version",
-    "graft.env.math_verify": "math-verify version", "graft.env.mlflow": "MLflow version",
-    "graft.env.gpu": "GPU model (nvidia-smi)", "graft.env.driver": "NVIDIA driver version",
-    "graft.env.cuda": "CUDA version torch was built with",
+    **{tag: f"{dist} version" for dist, tag in ENV_LIBRARY_TAGS.items()},
+    ENV_GPU: "GPU model (nvidia-smi)", ENV_DRIVER: "NVIDIA driver version",
+    ENV_CUDA: "CUDA version torch was built with",
 }
 #: Tags of a job run (one per Hydra job) -> when they are set.
 JOB_TAGS = {
