@@ -27,8 +27,8 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw",)
 LOCAL_DEVICES = ("auto", "cpu", "cuda")
 LOCAL_SAMPLERS = ("static_cache", "loop")   # graft_exp/backends/local_policy.py
-ROLES = ("A", "B")               # the two models of a pair
-PEER_OF = {"A": "B", "B": "A"}
+#: The member keys of a pair (A, B) or group (A, B, C, ...): each names a model of conf/catalog/models.yaml.
+MEMBER_KEYS = ("A", "B", "C", "D", "E", "F")
 
 
 class ConfigError(ValueError):
@@ -77,16 +77,21 @@ class MethodConfig:
     adv_eps: float = 1e-6
     sgt_lambda: float = 0.1           # SGT's NLL coefficient
     luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
+    source_rule: str = "most_successes"   # a group of K > 2: which of several qualifying sources a receiver takes
     hacpo: HacpoConfig = field(default_factory=HacpoConfig)
 
 
 @dataclass
 class PairConfig:
-    """Two models (roles A and B of conf/catalog/models.yaml), their training data and benchmarks."""
+    """The co-trained models (roles A, B, and C.. for a group, conf/group/), their training data and benchmarks."""
 
     name: str = MISSING
     A: str = MISSING
     B: str = MISSING
+    C: str | None = None              # further members of a group of K > 2 (docs/exchange-k.md)
+    D: str | None = None
+    E: str | None = None
+    F: str | None = None
     data: str = MISSING               # math (prepare.py's Parquet) | tiny_arith (generated)
     benchmarks: list[str] = MISSING   # bench keys of val/<bench> and test/<bench>
     gpus: int = MISSING               # GPUs of one job (the paper: one 4-GPU node); 0 on CPU
@@ -192,6 +197,16 @@ def register_schemas() -> None:
     store.store(name="backend_verl_schema", node=VerlBackendConfig)
 
 
+def roles(pair: DictConfig) -> list[str]:
+    """The member roles of a pair or group, in letter order: ``["A", "B"]`` for a pair."""
+    return [key for key in MEMBER_KEYS if pair.get(key) is not None]
+
+
+def peers(pair: DictConfig, role: str) -> list[str]:
+    """The other members of ``role``'s pair or group, in letter order."""
+    return [other for other in roles(pair) if other != role]
+
+
 def total_steps(cfg: DictConfig, num_problems: int) -> int:
     """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split of
     whole batches (the last partial batch of an epoch is dropped, as verl's dataloader does: 7,500 MATH
@@ -295,6 +310,7 @@ def validate_method(cfg: DictConfig) -> None:
     try:
         methods.declaration(method.name)
         spec = methods.resolve(method)
+        methods.SOURCE_RULES.get(method.source_rule)
     except methods.UnknownName as err:
         raise ConfigError(str(err)) from err
     exchanges = spec.selection.transfers or spec.peer_loss.transfers
@@ -314,6 +330,10 @@ def validate_method(cfg: DictConfig) -> None:
         )
     # HACPO's released 64-prompt minibatches: a smaller batch (the tiny pair's 16) is one minibatch.
     _at_least(hacpo, "method.hacpo", 1, "minibatch_prompts")
+    members = len(roles(cfg.pair))
+    if members > 2 and spec.two_models_only:
+        raise ConfigError(f"method={method.name} trains exactly two models ({spec.two_models_only}); "
+                          f"{cfg.pair.name} has {members}: use a pair (pair=...), or method=graft or sgt")
 
 
 def backend_installed(name: str) -> None:
@@ -329,9 +349,10 @@ def validate_backend(cfg: DictConfig) -> None:
     """Pair x backend combinations that can run, and the backend's own keys."""
     backend, pair, train = cfg.backend, cfg.pair, cfg.train
     _choice(backend.name, BACKENDS, "backend")
-    tiny_models = [pair[role] for role in ROLES if cfg.models[pair[role]].hf_id is None]
+    members = roles(pair)
+    tiny_models = [pair[role] for role in members if cfg.models[pair[role]].hf_id is None]
     if backend.name == "local":
-        if pair.data != "tiny_arith" or len(tiny_models) < 2:
+        if pair.data != "tiny_arith" or len(tiny_models) < len(members):
             raise ConfigError(f"backend=local trains the tiny models on the generated task (pair=tiny); "
                               f"pair={pair.name} needs GPUs: use backend=verl")
         _choice(backend.device, LOCAL_DEVICES, "backend.device")
@@ -359,9 +380,10 @@ def validate_backend(cfg: DictConfig) -> None:
                               "graft_exp.tiny for backend=local: use backend=local with pair=tiny")
         _at_least(backend, "backend", 1, "gpus_per_model", "rollout_tp", "max_token_len_per_gpu",
                   "agent_workers", "nnodes")
-        if 2 * backend.gpus_per_model > pair.gpus:
-            raise ConfigError(f"backend.gpus_per_model={backend.gpus_per_model} needs "
-                              f"{2 * backend.gpus_per_model} GPUs but pair.gpus={pair.gpus}: lower "
+        needed = len(members) * backend.gpus_per_model   # one resource pool per member
+        if needed > pair.gpus:
+            raise ConfigError(f"backend.gpus_per_model={backend.gpus_per_model} for {len(members)} models needs "
+                              f"{needed} GPUs but pair.gpus={pair.gpus}: lower "
                               "backend.gpus_per_model or raise pair.gpus")
         if backend.gpus_per_model % backend.rollout_tp:
             raise ConfigError(f"backend.gpus_per_model={backend.gpus_per_model} is not a multiple of "
@@ -413,15 +435,21 @@ def validate(cfg: DictConfig) -> None:
     if not uri:
         raise ConfigError("tracking.uri is empty; set MLFLOW_TRACKING_URI or tracking.uri")
     pair, models = cfg.pair, cfg.models
-    for role in ROLES:
+    members = roles(pair)
+    if members != list(MEMBER_KEYS[:len(members)]):
+        raise ConfigError(f"{pair.name} sets members {', '.join(members)}: members are consecutive letters "
+                          f"from A (set pair.{MEMBER_KEYS[len(members) - 1]} or remove the later ones)")
+    for role in members:
         key = pair[role]
         if key not in models:
             raise ConfigError(
                 f"pair.{role}={key!r} is not a known model; choose one of {', '.join(models)} "
                 "(conf/catalog/models.yaml)"
             )
-    if pair.A == pair.B:
-        raise ConfigError(f"pair {pair.name!r} names {pair.A!r} twice; a pair needs two different models")
+    keys = [pair[role] for role in members]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ConfigError(f"{pair.name} names {twice[0]!r} twice; co-trained models must be different models")
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     if not str(cfg.study).strip():

@@ -36,7 +36,7 @@ from graft_exp.algorithms import (
     hacpo_capability_ratio,
     hacpo_positive_rate,
 )
-from graft_exp.config import PEER_OF, ROLES, total_steps
+from graft_exp.config import peers, roles, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
@@ -45,7 +45,7 @@ from graft_exp.exchange import (
     Scorer,
     assemble,
     peer_solved_frac,
-    plan_step,
+    plan_exchange,
     rollout_metrics,
     select_prompts,
 )
@@ -142,15 +142,16 @@ class Driver:
         self.root = run_directory(cfg)
         if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
             shutil.rmtree(self.root, ignore_errors=True)
+        members = roles(cfg.pair)
         stored = {}
-        if self.components.replays_stored_log:
-            stored = {role: download_stored_log(cfg, job.client, cfg.pair[PEER_OF[role]],
-                                                self.root / "stored" / cfg.pair[PEER_OF[role]]) for role in ROLES}
+        if self.components.replays_stored_log:   # a pair: each role replays its one peer's log
+            stored = {role: download_stored_log(cfg, job.client, cfg.pair[peer], self.root / "stored" / cfg.pair[peer])
+                      for role in members for peer in peers(cfg.pair, role)}
         reward.default_pool().start()   # the verification workers start while the models load
-        runs = {role: tracking.open_model_run(cfg, job, role) for role in ROLES}
-        # A co-trained pair needs both models even if one run was already closed (a job stopped between
-        # its two final evaluations); a single-model baseline someone else finished is skipped.
-        needed = [r for r in ROLES if runs[r] is not None or (self.method.co_train and any(runs.values()))]
+        runs = {role: tracking.open_model_run(cfg, job, role) for role in members}
+        # Co-trained models need each other even if one run was already closed (a job stopped between
+        # their final evaluations); a single-model baseline someone else finished is skipped.
+        needed = [r for r in members if runs[r] is not None or (self.method.co_train and any(runs.values()))]
         self.members = {role: Member(role, str(cfg.pair[role]), runs[role], stored_peer=stored.get(role))
                         for role in needed}
         self.backend: Backend = backend_factory(cfg, needed, self.root) if needed else None
@@ -205,16 +206,18 @@ class Driver:
                        self.backend.gather(role, [(s.data, g) for s, g in parts]),
                        [s.token_ids[q] for s, g in parts for q in g])
 
-    def capability_ratios(self, own: dict[str, Rollouts]) -> tuple[float, float]:
-        """HACPO: (capability ratio B->A, A->B) from each model's positive rates so far, this step's included."""
+    def capability_ratios(self, own: dict[str, Rollouts]) -> dict[str, float]:
+        """HACPO (two models): each receiver's capability ratio of its peer to itself, from each model's
+        positive rates so far, this step's included."""
         for role, member in self.members.items():
             member.positive_rates.append(float(hacpo_positive_rate(own[role].rewards)))
         cap = {role: hacpo_capability(m.positive_rates) for role, m in self.members.items()}
-        return hacpo_capability_ratio(cap["B"], cap["A"]), hacpo_capability_ratio(cap["A"], cap["B"])
+        return {role: hacpo_capability_ratio(cap[peer], cap[role])
+                for role in cap for peer in peers(self.cfg.pair, role)}
 
     def stored_source(self, role: str, step: int, own: Sampled) -> Rollouts:
         """The peer's logged GRPO n=8 rollouts of this step, rewards re-verified (App. B "Saved peer logs")."""
-        peer = str(self.cfg.pair[PEER_OF[role]])
+        peer = str(self.cfg.pair[peers(self.cfg.pair, role)[0]])
         source = step_rollouts(self.members[role].stored_peer, step, peer)
         if source.prompt_ids != own.rollouts.prompt_ids:
             raise ValueError(f"step {step}: the stored log of {peer} has different prompts than this run "
@@ -252,24 +255,23 @@ class Driver:
                 return self.backend.update(role, self.spec, batches[role], order, own[role], sources[role], ratios[role])
         counts = self.each(update)
         # 4. Record: per-model metrics, the trajectory log, GPU-hours.
-        metrics = {role: self.record(role, step, own, batches[role], sources[role], counts[role]) for role in roles}
+        metrics = {role: self.record(role, step, own, batches[role], counts[role],
+                                     self.peer_rollouts(role, own, sources[role])) for role in roles}
         job_metrics[schema.GPU_HOURS] = self.charge(timer.seconds, time.perf_counter() - started, metrics)
         return metrics, job_metrics
 
     def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
-        """Each receiver's batch by the method: online exchange (both directions, balanced), stored replay
-        (one direction per receiver), or own groups only (single-model GRPO). Returns (batches, sources,
-        HACPO capability ratios, the job's exchange metrics)."""
+        """Each receiver's batch by the method: online exchange (every pair of members, both directions,
+        balanced), stored replay (one direction per receiver), or own groups only (single-model GRPO).
+        Returns (batches, sources, HACPO capability ratios, the job's exchange metrics)."""
         method, rollouts = self.components, {role: s.rollouts for role, s in own.items()}
         gen, ratios = generator(self.cfg.seed, step, "exchange"), {role: 1.0 for role in own}
         if method.co_train and not method.replays_stored_log:
             if method.peer_loss.capability_advantages:
-                ratios["A"], ratios["B"] = self.capability_ratios(rollouts)
-            batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method, rollouts["A"], rollouts["B"],
-                                                           (scorers["A"], scorers["B"]), gen, (ratios["A"], ratios["B"]))
-            return ({"A": batch_a, "B": batch_b}, {"A": rollouts["B"], "B": rollouts["A"]}, ratios,
-                    {schema.exchange_metric("A", "B"): float(a_to_b.sum()),
-                     schema.exchange_metric("B", "A"): float(b_to_a.sum())})
+                ratios = self.capability_ratios(rollouts)
+            batches, sources, transfers = plan_exchange(method, rollouts, scorers, gen, ratios)
+            return batches, sources, ratios, {schema.exchange_metric(s, r): float(mask.sum())
+                                              for (s, r), mask in transfers.items()}
         if method.replays_stored_log:
             batches, sources = {}, {}
             for role, sampled in own.items():
@@ -281,19 +283,28 @@ class Driver:
         return ({role: assemble(method, r, r, nothing[role], None, gen) for role, r in rollouts.items()},
                 dict.fromkeys(own), ratios, {})
 
-    def record(self, role: str, step: int, own: dict[str, Sampled], batch: ReceiverBatch, source: Rollouts | None,
-               counts: dict[str, float]) -> dict[str, float]:
+    def peer_rollouts(self, role: str, own: dict[str, Sampled], source: Rollouts | None) -> dict[str, Rollouts]:
+        """What ``role``'s peers sampled on its prompts, by peer role: the replayed log, or the other members'
+        rollouts of this step (none under dynamic sampling, where each model draws its own prompts)."""
+        if self.components.replays_stored_log:
+            return {peers(self.cfg.pair, role)[0]: source}
+        if self.method.dynamic_sampling:
+            return {}
+        return {peer: own[peer].rollouts for peer in peers(self.cfg.pair, role) if peer in own}
+
+    def record(self, role: str, step: int, own: dict[str, Sampled], batch: ReceiverBatch,
+               counts: dict[str, float], peer_rollouts: dict[str, Rollouts]) -> dict[str, float]:
         """Model ``role``'s step metrics (``schema.MODEL_METRICS``) and its trajectory-log entry."""
         rollouts = own[role].rollouts
         m = {schema.TRAIN + k: v for k, v in rollout_metrics(rollouts).items()}
         m.update(update_metrics(counts, self.spec))
         if self.method.co_train:
             m.update({schema.TRAIN + k: v for k, v in batch.metrics.items()})
-        # What the peer solved: the exchange's source, or the other GRPO model on the same prompts.
-        if source is None and not self.method.dynamic_sampling and PEER_OF[role] in own:
-            source = own[PEER_OF[role]].rollouts
-        if source is not None:
-            m[schema.TRAIN + "peer_solved_frac"] = peer_solved_frac(rollouts, source)
+        if peer_rollouts:
+            m[schema.TRAIN + "peer_solved_frac"] = peer_solved_frac(rollouts, list(peer_rollouts.values()))
+        if len(peer_rollouts) > 1:   # a group: what each peer solved of this model's all-fail prompts
+            m.update({schema.peer_solved_metric(peer): peer_solved_frac(rollouts, [r])
+                      for peer, r in peer_rollouts.items()})
         write_step(self.root / "trajectories" / role, step, rollouts, own[role].token_ids)
         return m
 

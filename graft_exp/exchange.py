@@ -1,7 +1,9 @@
 """One GRAFT step's exchange, backend-agnostic: from both models' rollouts on the shared prompt batch
 to each receiver's training batch (paper §3, Alg. 1; baselines App. B; variants App. G).
 
-The whole step, for receiver R and source S (``plan_step`` runs it in both directions)::
+The whole step, for receiver R and source S (``plan_exchange`` runs it in both directions of every pair
+of the group's members; with K > 2 a receiver offered a prompt by several sources takes one, by
+``method.source_rule``: docs/exchange-k.md)::
 
     k_A, k_B          = successes per prompt                       (Rollouts.k)
     (A->B, B->A)      = method.selection.rule(k_A, k_B)             eq. (3) + SelectWithTies / variants
@@ -20,6 +22,7 @@ re-tokenizations (it may cache the per-token values it computes for the update t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +35,7 @@ from graft_exp.algorithms import (
     hacpo_advantages,
     hacpo_which_advantages,
     pooled_group_advantages,
+    resolve_sources,
 )
 from graft_exp.methods import Method
 from graft_exp.rollouts import Rollouts
@@ -146,35 +150,85 @@ def assemble(method: Method, receiver: Rollouts, source: Rollouts, selected: tor
     return ReceiverBatch(rows, group_is_peer, [], metrics)
 
 
-def plan_step(method: Method, a: Rollouts, b: Rollouts, scorers: tuple[Scorer, Scorer], generator: torch.Generator,
-              capability_ratios: tuple[float, float] | None = None
-              ) -> tuple[ReceiverBatch, ReceiverBatch, tuple[torch.Tensor, torch.Tensor]]:
-    """Both receivers' batches for one co-training step: (batch of A, batch of B, (a_to_b, b_to_a)).
+def plan_exchange(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, Scorer],
+                  generator: torch.Generator, capability_ratios: dict[str, float] | None = None):
+    """Every receiver's batch for one co-training step of a pair or a group (docs/exchange-k.md).
 
-    ``scorers`` = (A's scorer of B's responses, B's scorer of A's responses). A peer loss that pools every
-    prompt (HACPO) transfers every group; a selection rule that singles prompts out (``hacpo_which``)
-    then keeps the peer advantages only on the prompts it selected; ``capability_ratios`` = (ratio B->A,
-    ratio A->B) of HACPO's capability tracker.
+    The selection rule runs once per unordered pair of members, in member order, on that pair's own
+    success counts (eq. 3 and its balancing); a receiver offered one prompt by several sources takes
+    it from the one ``method.source_rule`` prefers (``source_for``). ``scorers[R]`` scores responses
+    under R's old policy. HACPO (two models): a peer loss that pools every prompt transfers every group; a
+    selection rule that singles prompts out (``hacpo_which``) then keeps the peer advantages only on the
+    prompts it selected; ``capability_ratios[R]`` = the ratio of R's peer to R from HACPO's tracker.
+
+    Returns (batch of each receiver, the source Rollouts each receiver's peer rows come from, the
+    transferred-prompt mask of every ordered (source, receiver) pair).
     """
-    a_to_b, b_to_a = select_prompts(method, a.k, b.k, a.n, generator)
-    capability_a = capability_b = None
-    if method.peer_loss.capability_advantages:
-        which = not method.selection.every_prompt
-        capability_a = {"ratio": capability_ratios[0], "which": b_to_a if which else None}
-        capability_b = {"ratio": capability_ratios[1], "which": a_to_b if which else None}
-    if method.peer_loss.pools_every_prompt:
-        a_to_b = b_to_a = torch.ones_like(a_to_b)
-    batch_a = assemble(method, a, b, b_to_a, scorers[0], generator, capability_a)
-    batch_b = assemble(method, b, a, a_to_b, scorers[1], generator, capability_b)
-    return batch_a, batch_b, (a_to_b, b_to_a)
+    roles = list(rollouts)
+    offers = {}
+    for x, y in itertools.combinations(roles, 2):
+        offers[x, y], offers[y, x] = select_prompts(method, rollouts[x].k, rollouts[y].k, rollouts[x].n, generator)
+    batches, sources, transfers = {}, {}, {}
+    for receiver in roles:
+        peers = [s for s in roles if s != receiver]
+        capability = None
+        if method.peer_loss.capability_advantages:
+            which = None if method.selection.every_prompt else offers[peers[0], receiver]
+            capability = {"ratio": capability_ratios[receiver], "which": which}
+        if method.peer_loss.pools_every_prompt:
+            offers.update({(s, receiver): torch.ones_like(offers[s, receiver]) for s in peers})
+        if len(peers) == 1:
+            source, selected = rollouts[peers[0]], offers[peers[0], receiver]
+            transfers[peers[0], receiver] = selected
+        else:
+            pick = source_for(method, receiver, [rollouts[s] for s in peers],
+                              torch.stack([offers[s, receiver] for s in peers]), scorers[receiver], generator)
+            source, selected = composite_source([rollouts[s] for s in peers], pick), pick >= 0
+            transfers.update({(s, receiver): pick == j for j, s in enumerate(peers)})
+        batches[receiver] = assemble(method, rollouts[receiver], source, selected, scorers[receiver], generator,
+                                     capability)
+        sources[receiver] = source
+    return batches, sources, transfers
 
 
-def peer_solved_frac(own: Rollouts, peer: Rollouts) -> float:
-    """Of the prompts where ``own`` failed all n, the fraction its peer solved at least once (NaN if none)."""
+def source_for(method: Method, receiver: str, candidates: list[Rollouts], offered: torch.Tensor, scorer: Scorer,
+               generator: torch.Generator) -> torch.Tensor:
+    """long [P]: which of ``candidates`` the receiver takes each prompt from (-1: none), by the method's
+    source rule (eq. K2 of docs/exchange-k.md)."""
+    rule = method.source_rule
+    preference = torch.zeros(offered.shape, dtype=torch.float64)
+    if rule.by_successes:
+        preference = torch.stack([c.k for c in candidates]).double()
+    elif rule.by_compatibility:
+        contested = offered.sum(dim=0) > 1   # only a prompt with a choice needs the extra scoring
+        for j, candidate in enumerate(candidates):
+            prompts = torch.nonzero(contested & offered[j]).flatten().tolist()
+            if prompts:
+                recv_sum, recv_count = scorer(prompts, candidate)
+                preference[j, prompts] = compatibility_score(
+                    recv_sum, recv_count, candidate.logp_sum[prompts], candidate.num_tokens[prompts]).double().mean(dim=1)
+    return resolve_sources(offered, preference, generator)
+
+
+def composite_source(candidates: list[Rollouts], pick: torch.Tensor) -> Rollouts:
+    """One source table for a receiver of a group: row q is the group of ``candidates[pick[q]]`` (the first
+    candidate's where nothing transfers; those rows are never read), so the rest of the step is one-source code."""
+    rows = pick.clamp(min=0).tolist()
+    stack = lambda name: torch.stack([getattr(candidates[j], name)[q] for q, j in enumerate(rows)])
+    return Rollouts(model=",".join(dict.fromkeys(candidates[j].model for j in rows)),
+                    prompt_ids=list(candidates[0].prompt_ids),
+                    responses=[candidates[j].responses[q] for q, j in enumerate(rows)],
+                    rewards=stack("rewards"), advantages=stack("advantages"), logp_sum=stack("logp_sum"),
+                    num_tokens=stack("num_tokens"), finished=stack("finished"))
+
+
+def peer_solved_frac(own: Rollouts, peers: list[Rollouts]) -> float:
+    """Of the prompts where ``own`` failed all n, the fraction some peer solved at least once (NaN if none)."""
     all_fail = own.k == 0
     if not bool(all_fail.any()):
         return float("nan")
-    return float((peer.k[all_fail] >= 1).float().mean())
+    solved = torch.stack([peer.k[all_fail] >= 1 for peer in peers]).any(dim=0)
+    return float(solved.float().mean())
 
 
 def rollout_metrics(own: Rollouts) -> dict[str, float]:

@@ -173,11 +173,29 @@ class Source:
     """Where the peer's rollouts come from."""
 
     replays_log_of: str | None = None   # a single-model method whose logged rollouts are replayed
+    two_models_only: str = ""           # why it cannot serve a group of K > 2 ("": it can)
 
 
 SOURCES = Registry("method.source")
 SOURCES.register("online", Source())
-SOURCES.register("stored", Source(replays_log_of="grpo_n8"))   # App. B "Saved peer logs"
+SOURCES.register("stored", Source(replays_log_of="grpo_n8",   # App. B "Saved peer logs"
+                                  two_models_only="stored replay trains each receiver on one peer's log"))
+
+
+@dataclass(frozen=True)
+class SourceRule:
+    """A group of K > 2 (docs/exchange-k.md): which source a receiver takes a prompt from when several offer it.
+    ``algorithms.resolve_sources`` takes the offering source of highest preference, ties drawn uniformly (all
+    tied: a uniform draw). Never consulted with two models: no prompt has two sources."""
+
+    by_successes: bool = False          # preference k_S(q), as SelectWithTies ranks candidates
+    by_compatibility: bool = False      # preference: the mean eq. (8) score of S's group under the receiver
+
+
+SOURCE_RULES = Registry("method.source_rule")
+SOURCE_RULES.register("most_successes", SourceRule(by_successes=True))
+SOURCE_RULES.register("compatibility", SourceRule(by_compatibility=True))
+SOURCE_RULES.register("random", SourceRule())
 
 
 @dataclass(frozen=True)
@@ -195,6 +213,7 @@ class PeerLoss:
     own_minibatch: bool = False     # minibatch size from the method's own settings (method.hacpo.minibatch_prompts)
     kl_to_initial: bool = False     # a KL term to the initial policy (method.hacpo.kl_coef) on own rows
     own_clip: bool = False          # self-ratio clip from the method's own settings (method.hacpo.self_clip_*)
+    two_models_only: str = ""       # why it cannot serve a group of K > 2 ("": it can)
 
 
 PEER_LOSSES = Registry("method.peer_loss")
@@ -204,7 +223,9 @@ PEER_LOSSES.register("luffy", PeerLoss(objective="luffy", gated=False))         
 PEER_LOSSES.register("nll", PeerLoss(objective="sgt", nll_only=True))                 # SGT, App. B
 PEER_LOSSES.register("hacpo", PeerLoss(objective="hacpo", gated=False, pools_every_prompt=True,
                                        capability_advantages=True, groups_per_prompt=2, sequence_level=True,
-                                       own_minibatch=True, kl_to_initial=True, own_clip=True))   # App. B
+                                       own_minibatch=True, kl_to_initial=True, own_clip=True,
+                                       two_models_only="its capability-aware advantages pool exactly two "
+                                                       "models' groups"))   # App. B
 
 
 # ------------------------------------------------------------------------------------ methods
@@ -270,6 +291,12 @@ class Method:
     peer_position: str
     source: Source
     peer_loss: PeerLoss
+    source_rule: SourceRule
+
+    @property
+    def two_models_only(self) -> str:
+        """Why the method cannot co-train a group of K > 2 ("" if it can)."""
+        return self.peer_loss.two_models_only or self.source.two_models_only
 
     @property
     def co_train(self) -> bool:
@@ -306,4 +333,4 @@ def resolve(method) -> Method:
                   advantages=ADVANTAGES.get(method.advantages),
                   objective=peer_loss.objective or ratio_objective,
                   peer_position=PEER_POSITIONS.get(method.peer_position), source=SOURCES.get(method.source),
-                  peer_loss=peer_loss)
+                  peer_loss=peer_loss, source_rule=SOURCE_RULES.get(method.source_rule))

@@ -35,7 +35,8 @@ JOB_TAGS = {
 #: Tags of a model run (child of the job run, one per trained model).
 MODEL_TAGS = {
     "graft.run_key": "at creation (per model: shared GRPO baselines are found by it)",
-    "graft.model": "at creation", "graft.peer": "at creation (a model key, or none)", "graft.role": "at creation (A/B)",
+    "graft.model": "at creation", "graft.peer": "at creation (the peer's model key; a group's other members' keys joined by ','; or none)",
+    "graft.role": "at creation (A/B; C.. in a group)",
     "graft.study": "at creation", "graft.method": "at creation", "graft.pair": "at creation",
     "graft.seed": "at creation", "graft.backend": "at creation", "graft.n": "at creation",
     "graft.slurm_job_id": "as the job run's", "graft.host": "as the job run's", "graft.pid": "as the job run's",
@@ -48,6 +49,7 @@ JOB_METRICS = {
     "cost/gpu_hours": "every step: cumulative joint cost, GPUs x training-step wall seconds / 3600",
     "exchange/A_to_B": "every step of an online co-trained method: prompts selected A -> B",
     "exchange/B_to_A": "every step of an online co-trained method: prompts selected B -> A",
+    "exchange/<S>_to_<R>": "every step of an online co-trained group: prompts receiver R took from S, each ordered pair",
 }
 #: Metrics of a model run: step = training step, except test/* (step = evaluation run 0..R-1).
 MODEL_METRICS = {
@@ -58,6 +60,7 @@ MODEL_METRICS = {
     "train/clipfrac_self": "every step (HACPO: sequences)",
     "train/clipfrac_peer": "steps with peer tokens (HACPO: sequences)",
     "train/peer_solved_frac": "steps where this model failed some prompt and a peer sampled the same prompts",
+    "train/peer_solved_frac/<S>": "as train/peer_solved_frac, in a group of K > 2: the share member S solved",
     "train/peer_groups": "every step of a co-trained method", "train/peer_admitted": "every step of a co-trained method",
     "train/compat_mean": "steps where peer groups were scored",
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
@@ -77,6 +80,11 @@ SLURM_JOB_ID, HOST, PID, LOG = "graft.slurm_job_id", "graft.host", "graft.pid", 
 def exchange_metric(source: str, receiver: str) -> str:
     """The job metric counting the prompts selected from role ``source`` to role ``receiver``."""
     return f"exchange/{source}_to_{receiver}"
+
+
+def peer_solved_metric(peer: str) -> str:
+    """A group member's model metric: of its all-fail prompts, the share the member in role ``peer`` solved."""
+    return f"{TRAIN}peer_solved_frac/{peer}"
 
 
 #: Tag of the analysis run that holds regenerated tables and figures (not a training run).

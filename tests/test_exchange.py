@@ -9,11 +9,18 @@ import torch
 from omegaconf import OmegaConf
 
 from graft_exp.config import MethodConfig
-from graft_exp.exchange import PEER, SELF, Rollouts, assemble, peer_solved_frac, plan_step, select_prompts
+from graft_exp.exchange import PEER, SELF, Rollouts, assemble, peer_solved_frac, plan_exchange, select_prompts
 from graft_exp.methods import resolve
 
 N = 4
 
+
+
+def plan_pair(method, a, b, scorers, generator, ratios=None):
+    """``plan_exchange`` on a pair, in the order of the two-model API: (batch of A, batch of B, (a_to_b, b_to_a))."""
+    batches, _, transfers = plan_exchange(method, {"A": a, "B": b}, dict(zip("AB", scorers)), generator,
+                                          None if ratios is None else dict(zip("AB", ratios)))
+    return batches["A"], batches["B"], (transfers["A", "B"], transfers["B", "A"])
 
 def method(**overrides):
     """The components of GRAFT's config with ``overrides`` (what the exchange reads)."""
@@ -46,7 +53,7 @@ def test_graft_replaces_the_failed_group_with_the_source_group():
     a, b = rollouts("A", K_A), rollouts("B", K_B)
     # s = exp(receiver mean - source mean): source mean is -1; receiver means give s = 1, 0.9, 0.5, e^0.5.
     scores = [-1.0, -1.0 + math.log(0.9), -1.0 + math.log(0.5), -0.5]
-    batch_a, batch_b, (a_to_b, b_to_a) = plan_step(method(), a, b, (scorer_with(scores), scorer_with(scores)), GEN)
+    batch_a, batch_b, (a_to_b, b_to_a) = plan_pair(method(), a, b, (scorer_with(scores), scorer_with(scores)), GEN)
     assert a_to_b.tolist() == [False, True, False, False] and b_to_a.tolist() == [True, False, False, False]
     peer_rows = [r for r in batch_b.rows if r.origin == PEER]
     assert {r.prompt for r in peer_rows} == {1}
@@ -99,7 +106,7 @@ def test_pooled_keeps_the_receiver_group_with_negative_advantages():
 def test_sgt_adds_one_correct_peer_response_and_keeps_own_groups():
     a, b = rollouts("A", K_A), rollouts("B", K_B)
     sgt = method(selection="rescue", peer_loss="nll", gate=False)
-    _, batch_b, (a_to_b, _) = plan_step(sgt, a, b, (None, None), GEN)
+    _, batch_b, (a_to_b, _) = plan_pair(sgt, a, b, (None, None), GEN)
     assert a_to_b.tolist() == [False, True, False, True]                 # k_A = n counts for SGT
     assert len(batch_b.rows) == 4 * N and all(r.origin == SELF for r in batch_b.rows)
     assert [q for q, _ in batch_b.nll] == [1, 3]
@@ -114,11 +121,11 @@ def test_sgt_adds_one_correct_peer_response_and_keeps_own_groups():
 def test_hacpo_pools_every_prompt_in_separate_groups():
     a, b = rollouts("A", K_A), rollouts("B", K_B)
     hacpo = method(selection="all", peer_loss="hacpo", gate=False)
-    batch_a, _, _ = plan_step(hacpo, a, b, (scorer_with([-1.0] * N),) * 2, GEN, capability_ratios=(1.0, 1.0))
+    batch_a, _, _ = plan_pair(hacpo, a, b, (scorer_with([-1.0] * N),) * 2, GEN, ratios=(1.0, 1.0))
     assert len(batch_a.group_is_peer) == 8 and batch_a.group_is_peer.tolist() == [False] * 4 + [True] * 4
     assert len([r for r in batch_a.rows if r.origin == PEER]) == 4 * N
     which = method(selection="balanced", peer_loss="hacpo", gate=False)
-    batch_a, _, _ = plan_step(which, a, b, (scorer_with([-1.0] * N),) * 2, GEN, capability_ratios=(1.0, 1.0))
+    batch_a, _, _ = plan_pair(which, a, b, (scorer_with([-1.0] * N),) * 2, GEN, ratios=(1.0, 1.0))
     assert {r.prompt for r in batch_a.rows if r.origin == PEER and r.advantage != 0} == {0}
 
 
@@ -131,6 +138,9 @@ def test_minibatches_put_peer_groups_last():
 
 def test_peer_solved_frac():
     a, b = rollouts("A", K_A), rollouts("B", K_B)
-    assert peer_solved_frac(b, a) == 1.0            # B failed prompts 1 and 3; A solved both
-    assert peer_solved_frac(a, b) == 1.0
-    assert math.isnan(peer_solved_frac(rollouts("A", [1, 1, 1, 1]), b))
+    assert peer_solved_frac(b, [a]) == 1.0            # B failed prompts 1 and 3; A solved both
+    assert peer_solved_frac(a, [b]) == 1.0
+    assert math.isnan(peer_solved_frac(rollouts("A", [1, 1, 1, 1]), [b]))
+    # a group: B's all-fail prompts 1 and 3; C solved neither, A both: any peer -> 1, C alone -> 0
+    c = rollouts("C", [1, 0, 0, 0])
+    assert peer_solved_frac(b, [a, c]) == 1.0 and peer_solved_frac(b, [c]) == 0.0

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
+from test_exchange import plan_pair
 from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -20,7 +21,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from graft_exp.algorithms import grpo_advantages
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
-from graft_exp.exchange import PEER, Rollouts, assemble, plan_step, select_prompts
+from graft_exp.exchange import PEER, Rollouts, assemble, select_prompts
 from graft_exp.methods import resolve
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
@@ -201,7 +202,7 @@ def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
         a_to_b, _ = select_prompts(method, a.k, b.k, n, gen)
         plan = assemble(method, b, a, a_to_b, scorers[1], gen)
     else:
-        _, plan, (a_to_b, _) = plan_step(method, a, b, scorers, gen, (1.0, 1.0))
+        _, plan, (a_to_b, _) = plan_pair(method, a, b, scorers, gen, (1.0, 1.0))
     peer = scorers[1].score(plan.nll, a) if plan.nll else scorers[1].scored
     return rows["B"], a, a_to_b, plan, vb.receiver_batch(rows["B"], n, peer, plan)
 

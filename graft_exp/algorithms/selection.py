@@ -135,6 +135,32 @@ def draw_one_correct_response(
     return torch.where(selected, index, torch.full_like(index, -1))
 
 
+def resolve_sources(offered: torch.Tensor, preference: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One receiver of a group of K > 2 models (docs/exchange-k.md, eq. K2): the source it takes each
+    prompt from.
+
+    ``offered`` bool [S, P]: source s's pairwise selection (eq. 3 with the pair's balancing) offers its group
+    on prompt q. ``preference`` float [S, P]: the source rule's ranking (k_S(q) for ``most_successes``, the
+    mean eq. (8) score of S's group under the receiver for ``compatibility``, zeros for ``random``). Returns
+    long [P]: the index of the offering source with the highest preference, ties broken by a uniform draw;
+    -1 where no source offers. The generator is used only when some prompt has tied offering sources, so a
+    pair (one source) draws nothing.
+    """
+    check_ndim("offered", offered, 2)
+    if offered.dtype != torch.bool:
+        raise ValueError(f"offered must be a bool mask, got dtype {offered.dtype}")
+    if preference.shape != offered.shape:
+        raise ValueError(f"preference has shape {tuple(preference.shape)} but offered has {tuple(offered.shape)}")
+    ranked = torch.where(offered, preference.double(), torch.full_like(preference, -torch.inf, dtype=torch.float64))
+    best = offered & (ranked == ranked.max(dim=0).values)
+    if bool((best.sum(dim=0) > 1).any()):
+        draw = torch.rand(best.shape, generator=generator, dtype=torch.float64)
+        ranked = torch.where(best, draw, torch.full_like(draw, -1.0))
+    else:
+        ranked = best.double()
+    return torch.where(offered.any(dim=0), ranked.argmax(dim=0), torch.full_like(ranked[0], -1, dtype=torch.long))
+
+
 def dynamic_sampling_group_mask(rewards: torch.Tensor) -> torch.Tensor:
     """DAPO dynamic sampling: True for groups with nonzero reward variance (0 < k < n for binary
     rewards). ``rewards`` is [P, n]."""

@@ -38,7 +38,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import scheduler, tracking
-from graft_exp.config import ROLES, ConfigError, validate_job
+from graft_exp.config import ConfigError, roles, validate_job
 from graft_exp.launching import status
 
 log = logging.getLogger("graft_exp.launch")
@@ -92,7 +92,7 @@ def missing_stored_logs(jobs: list[PlannedJob], parallel: bool) -> list[str]:
         replayed = tracking.replayed_method(job.cfg)
         missing = [peer for peer in peers
                    if not any(e.cfg.method.name == replayed and e.cfg.seed == job.cfg.seed
-                              and peer in (e.cfg.pair.A, e.cfg.pair.B) for e in earlier)
+                              and peer in [e.cfg.pair[r] for r in roles(e.cfg.pair)] for e in earlier)
                    and tracking.stored_log_run(client, job.cfg, peer) is None]
         if missing:
             problems.append(f"job {job.label} replays the GRPO n=8 log of {' and '.join(missing)} with seed "
@@ -138,7 +138,7 @@ def shared_baseline_clashes(jobs: list[PlannedJob], finished_keys: set[str]) -> 
     for job in jobs:
         if job.cfg.method.co_train:
             continue
-        for role in ROLES:
+        for role in roles(job.cfg.pair):
             key = tracking.model_run_key(job.cfg, role)
             if key in finished_keys:
                 continue

@@ -12,6 +12,7 @@ a full Hydra compose; ``tests/test_sweep.py`` checks both paths give every sweep
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from graft_exp import methods, tracking
-from graft_exp.config import ROLES, register_schemas
+from graft_exp.config import register_schemas, roles
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -58,7 +59,7 @@ class Job:
     @cached_property
     def model_keys(self) -> dict[str, str]:
         """Model run key of each role this job trains."""
-        return {role: tracking.model_run_key(self.cfg, role) for role in ROLES}
+        return {role: tracking.model_run_key(self.cfg, role) for role in roles(self.cfg.pair)}
 
     @property
     def single_model(self) -> bool:
@@ -185,19 +186,20 @@ def _grpo_hours(model: str, method: str) -> float:
     return table.get(method, table["grpo_n8"])
 
 
-def estimate_gpu_hours(cfg: DictConfig, roles: tuple[str, ...] = ROLES) -> float:
+def estimate_gpu_hours(cfg: DictConfig, trained: Sequence[str] = ()) -> float:
     """Expected GPU-hours of a complete job from the paper's measured costs, scaled by the pair's
     models (relative to pair 1), by ``train.max_steps`` against 174 steps and by ``pair.gpus``
-    against 4. A single-model job is charged for the ``roles`` it trains (a shared baseline is paid
-    once); CPU pairs cost 0."""
+    against 4. A single-model job is charged for the roles it trains (``trained``, default all: a shared
+    baseline is paid once); a co-trained group of K models for the sum of its members' GRPO costs, as a
+    pair; CPU pairs cost 0."""
     if int(cfg.pair.gpus) == 0:
         return 0.0
     method, steps = cfg.method.name, cfg.train.max_steps or PAPER_STEPS
     family = methods.declaration(method).cost_family
     if not cfg.method.co_train:
         name = family if family in GRPO_GPU_HOURS[PAPER_PAIR[0]] else f"grpo_n{cfg.method.n}"
-        hours = sum(_grpo_hours(cfg.pair[role], name) for role in roles)
+        hours = sum(_grpo_hours(cfg.pair[role], name) for role in trained or roles(cfg.pair))
     else:
-        pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in ROLES)
+        pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in roles(cfg.pair))
         hours = CO_TRAIN_GPU_HOURS[family] * pair_cost / sum(_grpo_hours(m, "grpo_n8") for m in PAPER_PAIR)
     return hours * steps / PAPER_STEPS * int(cfg.pair.gpus) / 4

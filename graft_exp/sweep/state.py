@@ -12,7 +12,6 @@ from rich.table import Table
 
 from graft_exp import scheduler
 from graft_exp.launching import status
-from graft_exp.launching.jobs import ROLES
 from graft_exp.sweep.planning import Sweep, SweepJob
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -36,7 +35,7 @@ class Snapshot:
         return self.states[sj.key][0]
 
     def models_done(self, sj: SweepJob) -> bool:
-        return all(self.model_done.get(sj.job.model_keys[r], False) for r in ROLES)
+        return all(self.model_done.get(key, False) for key in sj.job.model_keys.values())
 
     def ready(self, sj: SweepJob) -> bool:
         """Whether ``sj`` may start now: what it needs is trained, and the jobs that train its

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import environment, methods, scheduler, schema
+from graft_exp.config import peers, roles
 from graft_exp.tracking.datasets import log_dataset_inputs
 from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags, stable_hash
 from graft_exp.tracking.store import TrackingError, ensure_store, experiment_name
@@ -160,12 +161,14 @@ def run_params(cfg: DictConfig) -> dict[str, str]:
 def job_description(cfg: DictConfig) -> str:
     pair = cfg.pair
     how = "co-trained" if cfg.method.co_train else "each trained alone"
-    return (f"{cfg.method.name} on pair {pair.name} ({pair.A} and {pair.B}, {how}), seed {cfg.seed}, "
+    members = [pair[role] for role in roles(pair)]
+    kind = "pair" if len(members) == 2 else "group"
+    return (f"{cfg.method.name} on {kind} {pair.name} ({' and '.join(members)}, {how}), seed {cfg.seed}, "
             f"n={cfg.method.n}, {cfg.backend.name} backend")
 
 
 def model_description(cfg: DictConfig, role: str) -> str:
-    peer = cfg.pair["B" if role == "A" else "A"]
+    peer = peer_key(cfg, role)
     replayed = methods.resolve(cfg.method).source.replays_log_of
     source = f"its stored {replayed} log" if replayed else "online"
     partner = f", peer {peer} ({source})" if cfg.method.co_train else ""
@@ -196,7 +199,12 @@ def replayed_method(cfg: DictConfig) -> str | None:
 
 def stored_log_peers(cfg: DictConfig) -> list[str]:
     """The models whose GRPO n=8 logs a job replays: both of the pair (each role replays its peer)."""
-    return [cfg.pair.A, cfg.pair.B] if replayed_method(cfg) else []
+    return [cfg.pair[role] for role in roles(cfg.pair)] if replayed_method(cfg) else []
+
+
+def peer_key(cfg: DictConfig, role: str) -> str:
+    """``graft.peer`` of a co-trained model: its peer's model key; in a group, the other members' keys joined by ','."""
+    return ",".join(cfg.pair[peer] for peer in peers(cfg.pair, role))
 
 
 def data_order(cfg: DictConfig) -> str:
@@ -251,10 +259,9 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     """The model run of ``role`` under ``job`` (new or resumed), or None when this job must not
     train that model: its run is FINISHED already (e.g. a GRPO baseline trained for another pair),
     or it belongs to another job run (a shared baseline that job is training, or will resume)."""
-    other = "B" if role == "A" else "A"
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
-        schema.PEER: cfg.pair[other] if cfg.method.co_train else "none",
+        schema.PEER: peer_key(cfg, role) if cfg.method.co_train else "none",
         schema.ROLE: role, schema.N: str(cfg.method.n), schema.DATA_ORDER: data_order(cfg),
         **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),

@@ -126,7 +126,7 @@ def _generated() -> DictConfig:
 
 
 def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps: int | None = None) -> DictConfig:
-    """The full verl config of the model playing ``role`` ("A" or "B") in this job.
+    """The full verl config of the model playing ``role`` (a member letter: A, B, ...) in this job.
 
     The model's own worker group, vLLM replicas, tokenizer (its chat template comes with it) and
     checkpoints all follow from this config; the co-training driver holds one per model.
