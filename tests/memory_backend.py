@@ -33,7 +33,8 @@ class Problem:
 
 PROBLEMS = [Problem(f"p{i}", f"{i} + {i} =", str(2 * i)) for i in range(32)]
 #: The chance of a correct response per role: A is good on even problems, B on odd ones (complementary).
-SKILL = {"A": lambda i: 0.8 if i % 2 == 0 else 0.1, "B": lambda i: 0.1 if i % 2 == 0 else 0.8}
+SKILL = {"A": lambda i: 0.8 if i % 2 == 0 else 0.1, "B": lambda i: 0.1 if i % 2 == 0 else 0.8,
+         "C": lambda i: 0.6 if i % 3 == 0 else 0.05}
 
 
 @dataclass

@@ -86,6 +86,27 @@ def test_a_co_trained_step_exchanges_complementary_prompts(make_job):
         assert update.own.rollouts.k[row.prompt] == 0 and 1 <= update.source.k[row.prompt] < update.source.n
 
 
+@pytest.mark.parametrize("rule", ["most_successes", "compatibility", "random"])
+def test_a_group_of_three_exchanges_along_every_ordered_pair(make_job, rule):
+    cfg, job = make_job("group=tiny3", "method=graft", "train.batch_prompts=16", f"method.source_rule={rule}")
+    (backend,), _ = fit(cfg, job)
+    runs = model_runs(job.client, job.run_id)
+    assert sorted(runs) == ["A", "B", "C"] and all(r.info.status == "FINISHED" for r in runs.values())
+    assert runs["A"].data.tags["graft.peer"] == "tiny-bpe-gpt2,tiny-unigram-neox"
+    exchanged = histories(job.client, job.run_id)
+    pairs = [f"exchange/{s}_to_{r}" for s in "ABC" for r in "ABC" if s != r]
+    assert all(len(exchanged[name]) == 2 for name in pairs)
+    assert sum(v for name in pairs for _, v in exchanged[name]) > 0
+    for role, run in runs.items():    # any peer solved at least as much as each peer alone
+        metrics = histories(job.client, run.info.run_id)
+        per_peer = [metrics[f"train/peer_solved_frac/{p}"] for p in "ABC" if p != role]
+        assert all(any_v >= max(v[i][1] for v in per_peer) for i, (_, any_v) in
+                   enumerate(metrics["train/peer_solved_frac"]))
+    for update in backend.updates:   # each peer group is one source's whole group on a prompt the receiver failed
+        for row in (r for r in update.batch.rows if r.origin == "peer"):
+            assert update.own.rollouts.k[row.prompt] == 0 and 1 <= update.source.k[row.prompt] < update.source.n
+
+
 def test_dynamic_sampling_refills_with_informative_groups(make_job):
     cfg, job = make_job("method=grpo_ds")
     (backend,), _ = fit(cfg, job)
