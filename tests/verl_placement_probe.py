@@ -2,7 +2,7 @@
 of ``python -m graft_exp <overrides>`` in the ray_slurm sbatch script, with the same overrides.
 
 It composes the job's config, joins the allocation's Ray cluster as the verl backend does
-(``start_local_ray`` with ``ray_init_kwargs``: verl's runtime environment), builds both models' verl configs and their resource pools
+(``start_local_ray`` with ``ray_init_kwargs``: verl's runtime environment), builds every member's verl config and their resource pools
 (``runtime.resource_pools``) and places the pools' placement groups. The backend's next step,
 ``VerlModel.start``, spawns the FSDP workers, which need CUDA. Prints one line ``PLACEMENT <json>``:
 the live Ray nodes with their resources, the node of every bundle of every pool, and what is left free.
@@ -19,14 +19,14 @@ from hydra import compose, initialize_config_dir
 from graft_exp.backends.verl.config import JOB_TOKEN_ENV, ray_init_kwargs, verl_config
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, resource_pools
-from graft_exp.config import register_schemas
+from graft_exp.config import register_schemas, roles
 from graft_exp.objective import LossSpec
 
 register_schemas()
 with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
     cfg = compose(config_name="config", overrides=sys.argv[1:])
 models = [VerlModel(role, verl_config(cfg, role, str(Path(cfg.checkpoint_root) / role)),
-                    LossSpec.from_method(cfg.method)) for role in ("A", "B")]
+                    LossSpec.from_method(cfg.method)) for role in roles(cfg.pair)]
 # As backends/verl/backend.create starts it: verl's runtime environment and this job's token on every actor.
 start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=cfg.checkpoint_root, address=cfg.backend.ray_address,
                 init_kwargs=ray_init_kwargs(models[0].config))
