@@ -48,6 +48,7 @@ DB_USER = "mlflow"
 DATABASES = ("mlflow", "mlflow_auth")   # runs; the auth app's users and permissions
 WRITERS_ROLE = "graft-writers"
 HEALTH_TIMEOUT_S = 180
+AUTH_CACHE_TTL_S = 60   # how long a worker reuses a successful password check (see remove_user)
 SIOCGIFADDR = 0x8915   # Linux ioctl: an interface's IPv4 address
 
 
@@ -315,9 +316,8 @@ def write_auth_config(layout: Layout, port: int) -> Path:
                         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                         "grant_default_workspace_access = true\n"
                         # Checking a password (PBKDF2) on every request of every job costs more than
-                        # the request itself; a successful check is reused for 60 s per worker (a
-                        # changed password or a deleted user may pass that long on other workers).
-                        "auth_cache_ttl_seconds = 60\n")
+                        # the request itself; a successful check is reused per worker for a while.
+                        f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n")
     return path
 
 
@@ -438,7 +438,8 @@ def add_user(layout: Layout, name: str, read_only: bool) -> Path:
 
 def remove_user(layout: Layout, name: str) -> None:
     """Delete a user from the auth app (its runs stay) and its credentials file: the server refuses
-    that user's credentials from now on."""
+    that user's requests from now on -- 401, or, for up to AUTH_CACHE_TTL_S on a worker that checked
+    the password just before, 404 (no such user); nothing that user sends is written either way."""
     from mlflow.exceptions import RestException
 
     state = load_state(layout)
