@@ -29,7 +29,7 @@ from test_verl_runtime import grpo_update
 from verl import DataProto
 from verl.utils import hf_tokenizer
 from verl.workers.rollout.replica import RolloutReplicaRegistry
-from verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV, cpu_replica_class
+from verl_cpu import WORKER_ENV, cpu_replica_class
 
 from graft_exp import driver, tracking
 from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
@@ -42,10 +42,10 @@ pytestmark = [pytest.mark.verl_engine, pytest.mark.slow]
 #: verl settings a CPU needs (not CPU patches: the config a GPU job could choose too): transformers' SDPA
 #: attention (verl's model config defaults to flash-attention 2, CUDA only), fp32 FSDP compute so that the
 #: rollout's log-probs (an fp32 forward) compare with the trainer's.
-CPU_OVERRIDES = ("backend.verl_overrides=[actor_rollout_ref.model.override_config.attn_implementation=sdpa,"
-                 "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32,"
-                 "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32,"
-                 "actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32]")
+CPU_OVERRIDES = "backend.verl_overrides=[{}]".format(",".join(f"'{o}'" for o in (
+    "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    *(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.{k}=fp32"
+      for k in ("param_dtype", "reduce_dtype", "buffer_dtype")))))
 #: verl loads *ForCausalLM models only (``check_verl_loadable``): model B is a second copy of the tiny Llama.
 MODEL_B = "tiny-char-llama-b"
 
@@ -115,8 +115,6 @@ class EngineFactory:
         if not self.live:
             kwargs = ray_init_kwargs(backend.models[roles[0]].config)
             kwargs["runtime_env"]["env_vars"].update(WORKER_ENV)
-            (self.job_dir / "rollout").mkdir(exist_ok=True)
-            kwargs["runtime_env"]["env_vars"][ROLLOUT_DIR_ENV] = str(self.job_dir / "rollout")
             kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
             self.ray_dir = kwargs["_temp_dir"]
             start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
