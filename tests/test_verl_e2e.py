@@ -185,6 +185,17 @@ def test_graft_through_the_driver_on_the_real_engine(compose_cfg, prepared, stor
             assert [s for s, _ in metrics["test/avg"]] == [0, 1]
             assert all(np.isfinite(v) for _, v in metrics["train/loss"])
             assert int(run.data.tags["graft.best_step"]) in (1, 2)
+
+        # A weight sync that stops delivering fails the check: the trainer moves on, the rollout keeps the
+        # weights of the last sync.
+        backend, model = factory.backends[-1], factory.live["A"]
+        rows, _ = CheckedBackend.saved[("A", 2)]
+        rows.batch["old_log_probs"] = model.log_probs(rows)
+        n = int(model.config.actor_rollout_ref.rollout.n)
+        grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
+        monkeypatch.setattr(model.checkpoints, "update_weights", lambda global_steps=None: None)
+        with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+            backend.sample("A", backend.problems()[:2], n, seed=1, step=3)
     finally:
         ray.shutdown()
         if factory.ray_dir:
