@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -41,9 +42,12 @@ pytestmark = [pytest.mark.verl_engine, pytest.mark.slow]
 
 #: verl settings a CPU needs (not CPU patches: the config a GPU job could choose too): transformers' SDPA
 #: attention (verl's model config defaults to flash-attention 2, CUDA only), fp32 FSDP compute so that the
-#: rollout's log-probs (an fp32 forward) compare with the trainer's.
+#: rollout's log-probs (an fp32 forward) compare with the trainer's, and the reference model's parameters
+#: not offloaded to the CPU (they are there already; FSDP1's CPU offload pins memory, which needs an
+#: accelerator: torch/distributed/fsdp/_flat_param.py ``init_flat_param_attributes``).
 CPU_OVERRIDES = "backend.verl_overrides=[{}]".format(",".join(f"'{o}'" for o in (
     "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=false",
     *(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.{k}=fp32"
       for k in ("param_dtype", "reduce_dtype", "buffer_dtype")))))
 #: verl loads *ForCausalLM models only (``check_verl_loadable``): model B is a second copy of the tiny Llama.
@@ -69,8 +73,8 @@ class CheckedBackend(VerlBackend):
     """The verl backend with the test's checks on its real calls: each rollout against the trainer's weights,
     each checkpoint's scores, each load's scores against the checkpoint's."""
 
-    saved: dict[tuple[str, int], tuple[DataProto, torch.Tensor]] = {}   # (role, step) -> (rows, log-probs)
-    checked = {"rollouts": 0, "evaluations": 0, "loads": 0}
+    saved: ClassVar[dict[tuple[str, int], tuple[DataProto, torch.Tensor]]] = {}   # (role, step) -> (rows, log-probs)
+    checked: ClassVar[dict[str, int]] = {"rollouts": 0, "evaluations": 0, "loads": 0}
 
     def _generate(self, role, prompts, n, seed, validate):
         out, texts, finished = super()._generate(role, prompts, n, seed, validate)
@@ -101,7 +105,7 @@ class CheckedBackend(VerlBackend):
 
 class EngineFactory:
     """``backend.create`` with the CPU worker environment: the first call starts Ray and the worker groups,
-    a later call (the resumed driver) builds a fresh backend over the same live workers."""
+    a later call (a resumed driver, another method's job) builds a fresh backend over the same live workers."""
 
     def __init__(self, job_dir: Path):
         self.job_dir, self.live, self.backends, self.ray_dir = job_dir, {}, [], None
@@ -118,7 +122,8 @@ class EngineFactory:
             kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
             self.ray_dir = kwargs["_temp_dir"]
             start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
-            start_models(list(backend.models.values()), with_ref=backend.spec.needs_reference_model)
+            # with the reference model (hacpo's KL term), so that every method's job can share these workers
+            start_models(list(backend.models.values()), with_ref=True)
             self.live = backend.models
         else:
             for role, model in backend.models.items():
@@ -131,72 +136,103 @@ class EngineFactory:
         return backend
 
 
-def test_graft_through_the_driver_on_the_real_engine(compose_cfg, prepared, store_template, tmp_path,  # noqa: F811
-                                                     monkeypatch):
-    monkeypatch.setitem(RolloutReplicaRegistry._registry, "vllm", cpu_replica_class)
-    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):   # start_local_ray sets them
-        monkeypatch.setenv(key, os.environ.get(key, ""))
-        monkeypatch.delenv(key)
+@pytest.fixture(scope="module")
+def factory(prepared, tmp_path_factory):  # noqa: F811
+    """One Ray and one pair of worker groups for this module's jobs."""
+    job_dir = tmp_path_factory.mktemp("verl_e2e")
     if not (prepared / "models" / MODEL_B).is_dir():
         shutil.copytree(prepared / "models" / "tiny-char-llama", prepared / "models" / MODEL_B)
-    shutil.copy(store_template, tmp_path / "mlflow.db")
-    CheckedBackend.saved.clear()
-    CheckedBackend.checked.update(rollouts=0, evaluations=0, loads=0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(RolloutReplicaRegistry._registry, "vllm", cpu_replica_class)
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):   # start_local_ray sets them
+            patch.setenv(key, os.environ.get(key, ""))
+            patch.delenv(key)
+        made = EngineFactory(job_dir)
+        try:
+            yield made
+        finally:
+            ray.shutdown()
+            if made.ray_dir:
+                shutil.rmtree(made.ray_dir, ignore_errors=True)
 
+
+def job_maker(compose_cfg, prepared, tmp_path, method, *overrides):  # noqa: F811
     def make_job():
         cfg = compose_cfg("backend=verl", "pair=tiny", "pair.data=math", f"pair.B={MODEL_B}",
                           f"backend.data_dir={prepared / 'data'}", f"backend.model_dir={prepared / 'models'}",
                           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
-                          *SMALL, "method=graft",
-                          CPU_OVERRIDES)
+                          *SMALL, f"method={method}", *overrides, CPU_OVERRIDES)
         return cfg, tracking.open_job(cfg)
+    return make_job
 
-    factory = EngineFactory(tmp_path)
-    try:
-        cfg, job = make_job()
-        assert driver.fit(cfg, job, factory, stop_at_step=1) == {}
-        job.finish("KILLED")
-        run_dir = driver.run_directory(cfg)
-        for role in ("A", "B"):
-            files = {p.name for p in (run_dir / "ckpt-1" / role / "global_step_1").iterdir()}
-            assert {f"model_world_size_2_rank_{r}.pt" for r in (0, 1)} <= files   # verl's sharded FSDP1 files
-        # trained on past the checkpoint: the resume must bring the saved weights back
-        for role, model in factory.live.items():
-            rows, saved = CheckedBackend.saved[(role, 1)]
-            rows.batch["old_log_probs"] = saved
-            n = int(model.config.actor_rollout_ref.rollout.n)
-            grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
-            assert not torch.equal(model.log_probs(rows), saved)
 
-        cfg, resumed = make_job()
-        assert resumed.resumed and resumed.run_id == job.run_id
-        scores = driver.fit(cfg, resumed, factory)
-        assert resumed.status == "FINISHED" and set(scores) == {"A", "B"}
-        assert CheckedBackend.checked["loads"] == 2
-        assert CheckedBackend.checked["rollouts"] >= 4          # two steps, two models
-        assert CheckedBackend.checked["evaluations"] >= 6       # validations 0..2 and the final runs, per model
-        assert all(m.wg.world_size == 2 for m in factory.live.values())
-        runs = model_runs(resumed.client, job.run_id)
-        for role, run in runs.items():
-            assert run.info.status == "FINISHED"
-            metrics = histories(resumed.client, run.info.run_id)
-            assert [s for s, _ in metrics["train/reward_mean"]] == [1, 2]
-            assert [s for s, _ in metrics["val/avg"]] == [0, 1, 2]
-            assert [s for s, _ in metrics["test/avg"]] == [0, 1]
-            assert all(np.isfinite(v) for _, v in metrics["train/loss"])
-            assert int(run.data.tags["graft.best_step"]) in (1, 2)
-
-        # A weight sync that stops delivering fails the check: the trainer moves on, the rollout keeps the
-        # weights of the last sync.
-        backend, model = factory.backends[-1], factory.live["A"]
-        rows, _ = CheckedBackend.saved[("A", 2)]
-        rows.batch["old_log_probs"] = model.log_probs(rows)
+def test_graft_through_the_driver_on_the_real_engine(compose_cfg, prepared, store_template, tmp_path,  # noqa: F811
+                                                     factory, monkeypatch):
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    CheckedBackend.saved.clear()
+    CheckedBackend.checked.update(rollouts=0, evaluations=0, loads=0)
+    make_job = job_maker(compose_cfg, prepared, tmp_path, "graft")
+    cfg, job = make_job()
+    assert driver.fit(cfg, job, factory, stop_at_step=1) == {}
+    job.finish("KILLED")
+    run_dir = driver.run_directory(cfg)
+    for role in ("A", "B"):
+        files = {p.name for p in (run_dir / "ckpt-1" / role / "global_step_1").iterdir()}
+        assert {f"model_world_size_2_rank_{r}.pt" for r in (0, 1)} <= files   # verl's sharded FSDP1 files
+    # trained on past the checkpoint: the resume must bring the saved weights back
+    for role, model in factory.live.items():
+        rows, saved = CheckedBackend.saved[(role, 1)]
+        rows.batch["old_log_probs"] = saved
         n = int(model.config.actor_rollout_ref.rollout.n)
         grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
-        monkeypatch.setattr(model.checkpoints, "update_weights", lambda global_steps=None: None)
-        with pytest.raises(AssertionError, match="Tensor-likes are not close"):
-            backend.sample("A", backend.problems()[:2], n, seed=1, step=3)
-    finally:
-        ray.shutdown()
-        if factory.ray_dir:
-            shutil.rmtree(factory.ray_dir, ignore_errors=True)
+        assert not torch.equal(model.log_probs(rows), saved)
+
+    cfg, resumed = make_job()
+    assert resumed.resumed and resumed.run_id == job.run_id
+    scores = driver.fit(cfg, resumed, factory)
+    assert resumed.status == "FINISHED" and set(scores) == {"A", "B"}
+    assert CheckedBackend.checked["loads"] == 2
+    assert CheckedBackend.checked["rollouts"] >= 4          # two steps, two models
+    assert CheckedBackend.checked["evaluations"] >= 6       # validations 0..2 and the final runs, per model
+    assert all(m.wg.world_size == 2 for m in factory.live.values())
+    runs = model_runs(resumed.client, job.run_id)
+    for role, run in runs.items():
+        assert run.info.status == "FINISHED"
+        metrics = histories(resumed.client, run.info.run_id)
+        assert [s for s, _ in metrics["train/reward_mean"]] == [1, 2]
+        assert [s for s, _ in metrics["val/avg"]] == [0, 1, 2]
+        assert [s for s, _ in metrics["test/avg"]] == [0, 1]
+        assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        assert int(run.data.tags["graft.best_step"]) in (1, 2)
+
+    # A weight sync that stops delivering fails the check: the trainer moves on, the rollout keeps the
+    # weights of the last sync.
+    backend, model = factory.backends[-1], factory.live["A"]
+    rows, _ = CheckedBackend.saved[("A", 2)]
+    rows.batch["old_log_probs"] = model.log_probs(rows)
+    n = int(model.config.actor_rollout_ref.rollout.n)
+    grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
+    monkeypatch.setattr(model.checkpoints, "update_weights", lambda global_steps=None: None)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        backend.sample("A", backend.problems()[:2], n, seed=1, step=3)
+
+
+@pytest.mark.parametrize("method", ["sgt", "hacpo", "grpo_ds"])
+def test_method_through_the_driver_on_the_real_engine(compose_cfg, prepared, store_template, tmp_path,  # noqa: F811
+                                                      factory, method):
+    """Two steps, validations, checkpoints and the final evaluation of the best checkpoint on the workers the
+    graft job started; every rollout checked against the trainer's weights."""
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    CheckedBackend.checked.update(rollouts=0, evaluations=0, loads=0)
+    batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"] if method == "grpo_ds" else []
+    cfg, job = job_maker(compose_cfg, prepared, tmp_path, method, *batch)()
+    scores = driver.fit(cfg, job, factory)
+    assert job.status == "FINISHED" and set(scores) == {"A", "B"}
+    assert CheckedBackend.checked["rollouts"] >= 4 and CheckedBackend.checked["evaluations"] >= 6
+    assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-2"]
+    for run in model_runs(job.client, job.run_id).values():
+        assert run.info.status == "FINISHED"
+        metrics = histories(job.client, run.info.run_id)
+        assert [s for s, _ in metrics["train/loss"]] == [1, 2]
+        assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        assert [s for s, _ in metrics["val/avg"]] == [0, 1, 2]
