@@ -1,4 +1,4 @@
-"""The tiny test bed: generated task, two tokenizers, shipped warm-started models and their cache."""
+"""The tiny test bed: generated task, three tokenizers, shipped warm-started models and their cache."""
 
 import dataclasses
 
@@ -34,23 +34,33 @@ def test_splits_are_deterministic_and_disjoint():
 def test_tokenizers_differ_and_round_trip():
     _, char = tiny.load("tiny-char-llama", progress=False)
     _, bpe = tiny.load("tiny-bpe-gpt2", progress=False)
+    _, unigram = tiny.load("tiny-unigram-neox", progress=False)
     text = benchmark("mixed", 64)[3].solution
     char_ids = char(text, add_special_tokens=False).input_ids
     bpe_ids = bpe(text, add_special_tokens=False).input_ids
-    assert char.decode(char_ids) == text and bpe.decode(bpe_ids) == text
+    unigram_ids = unigram(text, add_special_tokens=False).input_ids
+    assert char.decode(char_ids) == text and bpe.decode(bpe_ids) == text and unigram.decode(unigram_ids) == text
     assert len(char_ids) == len(text)                      # one token per character
     assert len(bpe_ids) < len(char_ids)                    # merges for words, digits split
-    prompt_tokens = bpe(tiny.model_input(benchmark("add", 64)[0].prompt)).input_ids
-    assert len(prompt_tokens) < len(tiny.model_input(benchmark("add", 64)[0].prompt)) / 2
+    prompt = tiny.model_input(benchmark("add", 64)[0].prompt)
+    assert len(bpe(prompt).input_ids) < len(prompt) / 2
+    # Unigram pieces: metaspace-marked, spaces inside pieces, every digit its own piece.
+    pieces = unigram.convert_ids_to_tokens(unigram(prompt, add_special_tokens=False).input_ids)
+    assert any("\u2581" in p and len(p) > 1 for p in pieces) and unigram.decode(unigram(prompt).input_ids) == prompt
+    assert len(unigram(prompt).input_ids) < len(prompt)
+    for problems in (train_split(SKILLS, tiny.EVAL_SIZE, 400), benchmark("mul", 64)):
+        for p in problems:
+            whole = tiny.model_input(p.prompt) + p.solution
+            assert unigram.decode(unigram(whole, add_special_tokens=False).input_ids) == whole
+    assert len({len(char), len(bpe), len(unigram)}) == 3
 
 
 def test_shipped_models_match_their_recipes():
     for key in tiny.RECIPES:
         directory = tiny.locate(key, progress=False)
         assert directory == tiny.ASSETS / key, f"{key}: shipped weights do not match the recipe hash"
-    llama, _ = tiny.load("tiny-char-llama", progress=False)
-    gpt2, _ = tiny.load("tiny-bpe-gpt2", progress=False)
-    assert llama.config.model_type == "llama" and gpt2.config.model_type == "gpt2"
+    types = {key: tiny.load(key, progress=False)[0].config.model_type for key in tiny.RECIPES}
+    assert types == {"tiny-char-llama": "llama", "tiny-bpe-gpt2": "gpt2", "tiny-unigram-neox": "gpt_neox"}
 
 
 def test_recipe_hash_follows_the_recipe():

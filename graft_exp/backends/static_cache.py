@@ -8,19 +8,20 @@ a trained model decodes as trained), over key/value buffers allocated once per b
 written per step. The prompt is still encoded once by the model's own forward; its keys and values
 are kept once per prompt and attended to by its n samples together.
 
-Supported: ``LlamaForCausalLM`` and ``GPT2LMHeadModel``, the two architectures of the tiny pair.
+Supported: ``LlamaForCausalLM``, ``GPT2LMHeadModel`` and ``GPTNeoXForCausalLM``, the architectures of
+the tiny models.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import GPT2LMHeadModel, LlamaForCausalLM, PreTrainedModel
+from transformers import GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, PreTrainedModel
 
-SUPPORTED = (LlamaForCausalLM, GPT2LMHeadModel)
+SUPPORTED = (LlamaForCausalLM, GPT2LMHeadModel, GPTNeoXForCausalLM)
 
 
 def supports(model: PreTrainedModel) -> bool:
-    return isinstance(model, SUPPORTED)
+    return type(model) in SUPPORTED
 
 
 class StaticCacheDecoder:
@@ -38,7 +39,8 @@ class StaticCacheDecoder:
             raise TypeError(f"the static-cache sampler decodes {', '.join(c.__name__ for c in SUPPORTED)}; "
                             f"{type(model).__name__} is not one (use backend.sampler=loop)")
         self.model = model
-        self.llama = isinstance(model, LlamaForCausalLM)
+        self.step_of = {LlamaForCausalLM: self._llama_step, GPT2LMHeadModel: self._gpt2_step,
+                        GPTNeoXForCausalLM: self._neox_step}[type(model)]
         self.n = n
         self.generated = 0                    # tokens fed so far = filled generated cache slots
         # [layers, P, heads, width, head_dim], as the model's own forward computed them.
@@ -50,10 +52,12 @@ class StaticCacheDecoder:
         # 0 where a prompt's tokens are, -inf on its left padding.
         self.prompt_bias = self.prompt_keys.new_zeros((prompts, 1, 1, width)).masked_fill_(
             ~prompt_mask.bool()[:, None, None, :], float("-inf"))
-        if self.llama:
+        rotary = {LlamaForCausalLM: lambda: model.model.rotary_emb,
+                  GPTNeoXForCausalLM: lambda: model.gpt_neox.rotary_emb}.get(type(model))
+        if rotary is not None:
             # RoPE's cos/sin for every position a row can reach, computed once by the model's own module.
             positions = torch.arange(width + max_new_tokens, device=prompt_mask.device)[None]
-            self.cos, self.sin = model.model.rotary_emb(self.keys.new_empty(1), positions)
+            self.cos, self.sin = rotary()(self.keys.new_empty(1), positions)
             self.cos, self.sin = self.cos[0], self.sin[0]
 
     @torch.no_grad()
@@ -61,9 +65,7 @@ class StaticCacheDecoder:
         """Logits [rows, vocab] after feeding ``tokens`` [rows] at ``positions`` [rows]."""
         slot = self.generated
         self.generated += 1
-        if self.llama:
-            return self._llama_step(tokens, positions, slot)
-        return self._gpt2_step(tokens, positions, slot)
+        return self.step_of(tokens, positions, slot)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, 1, heads * head_dim] -> [P, heads, n, head_dim]."""
@@ -86,16 +88,20 @@ class StaticCacheDecoder:
         out = out + torch.matmul(probs[..., width:].unsqueeze(-2), values).squeeze(-2)
         return out.transpose(1, 2).reshape(-1, 1, out.shape[1] * out.shape[-1])
 
+    def _rotary(self, positions):
+        """RoPE's cos, sin at ``positions`` [rows], as [P, 1, n, rotary_dim]."""
+        grouped = lambda t: t.view(self.prompt_keys.shape[1], 1, self.n, -1)
+        return grouped(self.cos[positions]), grouped(self.sin[positions])
+
     def _llama_step(self, tokens, positions, slot):
         body = self.model.model
         x = body.embed_tokens(tokens[:, None])
-        grouped = lambda t: t.view(self.prompt_keys.shape[1], 1, self.n, -1)   # [rows, D] -> [P, 1, n, D]
-        cos, sin = grouped(self.cos[positions]), grouped(self.sin[positions])
+        cos, sin = self._rotary(positions)
         for index, layer in enumerate(body.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = self._grouped(attn.q_proj(h)), self._grouped(attn.k_proj(h)), self._grouped(attn.v_proj(h))
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             x = x + attn.o_proj(self._attend(index, q, k, v, slot, attn.scaling))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(body.norm(x))[:, -1]
@@ -112,6 +118,34 @@ class StaticCacheDecoder:
             x = x + attn.c_proj(self._attend(index, q, k, v, slot, scale))
             x = x + block.mlp(block.ln_2(x))
         return self.model.lm_head(body.ln_f(x))[:, -1]
+
+    def _neox_step(self, tokens, positions, slot):
+        body = self.model.gpt_neox
+        x = body.embed_in(tokens[:, None])
+        cos, sin = self._rotary(positions)
+        for index, layer in enumerate(body.layers):
+            attn = layer.attention
+            # query_key_value's output is per head [q | k | v], each head_size wide.
+            qkv = attn.query_key_value(layer.input_layernorm(x)).view(x.shape[0], 1, -1, 3 * attn.head_size)
+            q, k, v = (self._grouped(t.reshape(x.shape[0], 1, -1)) for t in qkv.chunk(3, dim=-1))
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            out = attn.dense(self._attend(index, q, k, v, slot, attn.scaling))
+            if layer.use_parallel_residual:
+                x = x + out + layer.mlp(layer.post_attention_layernorm(x))
+            else:
+                x = x + out
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.embed_out(body.final_layer_norm(x))[:, -1]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first ``cos.shape[-1]`` dims of each head (all of them in Llama, a
+    quarter in GPT-NeoX), the rest passed through."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat([rotated * cos + _rotate_half(rotated) * sin, passed], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""The tiny heterogeneous pair: recipes, deterministic build (supervised warm-start), cache.
+"""The tiny heterogeneous models: recipes, deterministic build (supervised warm-start), cache.
 
 Each model is described by a ``TinyRecipe``: architecture, tokenizer and the supervised warm-start
-(skill mix, steps, optimiser). The two recipes train on *different* skill mixes so that each model
-solves prompts the other fails, the complementarity GRAFT exploits. A built model is stored under a
+(skill mix, steps, optimiser). The recipes train on *different* skill mixes so that each model
+solves prompts the others fail, the complementarity GRAFT exploits: the tiny pair (A, B) and a
+third model for groups (``conf/group/tiny3.yaml``), each strong on two of the four skills. A built model is stored under a
 directory named by the content hash of its recipe and of the task data it was trained on, so a
 changed recipe (or task) rebuilds, and an unchanged one loads in a second. The project ships the
 weights it built (``graft_exp/tiny/assets/``, rebuilt with ``python -m graft_exp.tiny build``);
@@ -24,6 +25,8 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -31,7 +34,7 @@ from transformers import (
 )
 
 from graft_exp.tiny.task import SKILLS, Problem, benchmark, train_split, warmstart_stream
-from graft_exp.tiny.tokenization import bpe_tokenizer, char_tokenizer
+from graft_exp.tiny.tokenization import bpe_tokenizer, char_tokenizer, unigram_tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 HASH_FILE = "recipe_hash.txt"
@@ -51,13 +54,13 @@ class TinyRecipe:
     """Everything that determines a tiny model's weights."""
 
     key: str
-    architecture: str                 # llama | gpt2
-    tokenizer: str                    # char | bpe
+    architecture: str                 # llama | gpt2 | neox
+    tokenizer: str                    # char | bpe | unigram
     skill_mix: dict[str, float]       # warm-start sampling weights per skill
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    intermediate: int = 384           # llama MLP width (gpt2 uses 4 x hidden)
+    intermediate: int = 384           # llama and neox MLP width (gpt2 uses 4 x hidden)
     bpe_vocab_size: int = 400
     max_positions: int = 192
     steps: int = 500
@@ -66,6 +69,8 @@ class TinyRecipe:
     warmup: int = 50
     weight_decay: float = 0.01
     seed: int = 0
+    # Settings only some recipes have (e.g. ``unigram_vocab_size``); a new dataclass field would
+    # change every recipe's hash and rebuild the shipped models.
     extra: dict = field(default_factory=dict)
 
 
@@ -80,11 +85,18 @@ RECIPES: dict[str, TinyRecipe] = {
         key="tiny-bpe-gpt2", architecture="gpt2", tokenizer="bpe",
         skill_mix={"sub": 0.4, "mixed": 0.4, "add": 0.1, "mul": 0.1}, seed=2,
     ),
+    # Group member C: mostly two-step expressions, some multiplication; so that each of the three
+    # models has a skill the other two lack (A add, B sub, C mixed).
+    "tiny-unigram-neox": TinyRecipe(
+        key="tiny-unigram-neox", architecture="neox", tokenizer="unigram",
+        skill_mix={"mixed": 0.7, "mul": 0.2, "add": 0.05, "sub": 0.05}, seed=3, steps=800,
+        extra={"unigram_vocab_size": 200},
+    ),
 }
 
 
 def _tokenizer_corpus() -> list[str]:
-    """Text both tokenizers are built from: every training prompt with its worked solution."""
+    """Text every tokenizer is built from: every training prompt with its worked solution."""
     return [model_input(p.prompt) + p.solution for p in train_split(SKILLS, EVAL_SIZE, 2000)]
 
 
@@ -101,7 +113,9 @@ def build_tokenizer(recipe: TinyRecipe) -> PreTrainedTokenizerFast:
         return char_tokenizer(corpus)
     if recipe.tokenizer == "bpe":
         return bpe_tokenizer(corpus, recipe.bpe_vocab_size)
-    raise ValueError(f"unknown tokenizer {recipe.tokenizer!r} (char | bpe)")
+    if recipe.tokenizer == "unigram":
+        return unigram_tokenizer(corpus, recipe.extra["unigram_vocab_size"])
+    raise ValueError(f"unknown tokenizer {recipe.tokenizer!r} (char | bpe | unigram)")
 
 
 def init_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
@@ -123,7 +137,17 @@ def init_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> PreTra
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )
         return GPT2LMHeadModel(config)
-    raise ValueError(f"unknown architecture {recipe.architecture!r} (llama | gpt2)")
+    if recipe.architecture == "neox":
+        # GPT-NeoX's own defaults otherwise: LayerNorm, GELU MLP, attention and MLP in parallel
+        # residual branches, rotary embeddings on a quarter of each head, untied output head.
+        config = GPTNeoXConfig(
+            vocab_size=len(tokenizer), hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
+            num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+            max_position_embeddings=recipe.max_positions, bos_token_id=eos, eos_token_id=eos,
+            pad_token_id=eos, hidden_dropout=0.0, attention_dropout=0.0,
+        )
+        return GPTNeoXForCausalLM(config)
+    raise ValueError(f"unknown architecture {recipe.architecture!r} (llama | gpt2 | neox)")
 
 
 def supervised_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> dict[str, torch.Tensor]:
@@ -242,5 +266,5 @@ def load(key: str, progress: bool = True) -> tuple[PreTrainedModel, PreTrainedTo
 
 
 def benchmarks(keys: list[str] | tuple[str, ...] = SKILLS) -> dict[str, list[Problem]]:
-    """The tiny pair's evaluation benchmarks, one per skill key."""
+    """The tiny models' evaluation benchmarks, one per skill key."""
     return {k: benchmark(k, EVAL_SIZE) for k in keys}

@@ -1,6 +1,7 @@
-"""The tiny pair's two tokenizers, deliberately different so re-tokenization is exercised for real:
-a character-level one (role A) and a byte-level BPE trained on the task corpus that splits digits
-(role B). Both are ``transformers`` fast tokenizers, saved and loaded like any Hugging Face one.
+"""The tiny models' three tokenizers, deliberately different so re-tokenization is exercised for real:
+a character-level one (tiny-char-llama), a byte-level BPE trained on the task corpus that splits
+digits (tiny-bpe-gpt2) and a SentencePiece-style unigram model over metaspace-marked text
+(tiny-unigram-neox). All are ``transformers`` fast tokenizers, saved and loaded like any Hugging Face one.
 """
 
 from __future__ import annotations
@@ -41,5 +42,22 @@ def bpe_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizer
     ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, UNK], show_progress=False)
+    tokenizer.train_from_iterator(list(corpus), trainer=trainer)
+    return _wrap(tokenizer)
+
+
+def unigram_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A unigram language-model tokenizer (SentencePiece's algorithm) trained on ``corpus``: spaces
+    become the metaspace ``▁`` and may sit inside a piece (``▁step▁``), digits are single pieces.
+    No space is prepended, so decoding a text's ids gives the text back exactly (the peer texts a
+    model receives are re-tokenized with it)."""
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Metaspace(prepend_scheme="never", split=False),
+    ])
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="never", split=False)
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=[EOS, UNK], unk_token=UNK,
+                                      show_progress=False)
     tokenizer.train_from_iterator(list(corpus), trainer=trainer)
     return _wrap(tokenizer)
