@@ -24,6 +24,7 @@ MODEL_DISPLAY = {
     "octothinker-3b-hybrid-base": "OctoThinker-3B-Hybrid-Base",
     "tiny-char-llama": "Tiny-Char-Llama",
     "tiny-bpe-gpt2": "Tiny-BPE-GPT2",
+    "tiny-unigram-neox": "Tiny-Unigram-NeoX",
 }
 #: One-letter names used by the paper's ablation table (S: SmolLM3-3B, Q: Qwen3-1.7B).
 MODEL_SHORT = {
@@ -47,6 +48,11 @@ STUDY_PAIR = "pair1"
 #: The paper's default compatibility threshold; a ``graft`` run with another ``method.delta`` is a sweep point.
 DEFAULT_DELTA = 0.8
 DELTA_PARAM = "method.delta"
+#: In a group of K > 2 models each receiver learns from all its peers at once; the source rule picks among
+#: peers that solved the same prompt, so each rule is its own method key (:func:`all_peers_method`).
+SOURCE_RULE_PARAM = "method.source_rule"
+#: The reference "best single peer" of the group table: the pair run whose peer gave the higher mean Avg.
+BEST_PEER = "best_peer"
 
 SINGLE_MODEL_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds")
 N8_METHODS = ("grpo_n8", "hacpo", "sgt", "graft")
@@ -74,10 +80,20 @@ def delta_method(delta: float) -> str:
     return f"graft {DELTA_PARAM}={delta:g}"
 
 
+def all_peers_method(method: str, source_rule: str) -> str:
+    """Method key of a group run (every other member a peer) with ``method.source_rule=<source_rule>``."""
+    return f"{method} all peers {SOURCE_RULE_PARAM}={source_rule}"
+
+
 def method_display(method: str) -> str:
-    """Paper-style name of a method key (the conf name, or a delta-sweep point)."""
+    """Paper-style name of a method key (the conf name, a delta-sweep point, a group's all-peers run)."""
     if method.startswith(f"graft {DELTA_PARAM}="):
         return f"δ={method.split('=', 1)[1]}"
+    if f" all peers {SOURCE_RULE_PARAM}=" in method:
+        name, rule = method.split(f" all peers {SOURCE_RULE_PARAM}=")
+        return f"{METHOD_DISPLAY.get(name, name)}, all peers ({rule.replace('_', ' ')})"
+    if method == BEST_PEER:
+        return "best single peer"
     return METHOD_DISPLAY.get(method, method)
 
 
@@ -106,12 +122,15 @@ SWEEP_FILES = {
     "clip_dynamics": "sweeps/clip_dynamics.yaml",
     "compute": "sweeps/compute.yaml",
     "tiny": "sweeps/tiny.yaml",
+    "tiny3": "sweeps/tiny3.yaml",
 }
 
 
 def sweep_for(table: str, method: str, seed: int, model: str | None = None) -> str:
     """The sweep file whose runs fill a cell of ``table`` for ``method`` and ``seed`` (of ``model``)."""
-    if model in PAIRS["tiny"]:
+    if table.startswith("group"):
+        study = "tiny3"    # the K-model study
+    elif model in PAIRS["tiny"]:
         study = "tiny"     # every study of the tiny pair is one sweep file
     elif table == "clipfrac-position":
         study = "clip_dynamics"

@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import mlflow
+import numpy as np
 import pandas as pd
 
 from analysis import catalog, rules, tables
@@ -120,6 +121,62 @@ def rescue_fraction(a: Analysis, out: Path) -> list[Path]:
     ax.set_ylabel("all-fail prompts solved by peer (%)")
     ax.grid(alpha=0.3)
     return _save(fig, out, "rescue-fraction")
+
+
+def rescue_matrix_points(a: Analysis) -> pd.DataFrame:
+    """Per group: of receiver R's all-fail prompts (GRPO n=8, seed 0), the share that each other member S
+    solved -- and that at least one did ("any peer") -- averaged over training steps. The group's GRPO job
+    trains its members independently on the same prompt batches, as Fig. 1 (right) does for two models."""
+    rows = []
+    for group, members in a.groups.items():
+        success = {}
+        for model in members:
+            run_id = a.find("group-rescue-matrix", "grpo_n8", model, "none", need_tests=False)
+            if run_id and a.model_runs.loc[run_id, "pair"] == group:
+                success[model] = _prompt_success(a, run_id)
+        for receiver in members:
+            peers = [m for m in members if m != receiver]
+            for source in [*peers, "any peer"]:
+                sources = peers if source == "any peer" else [source]
+                frames = [success.get(m) for m in (receiver, *sources)]
+                share = (rules.rescue_fraction(frames[0], *frames[1:]).mean() * 100
+                         if all(f is not None for f in frames) else float("nan"))
+                rows.append({"group": group, "receiver": receiver, "source": source, "rescued_pct": share})
+    return pd.DataFrame(rows, columns=["group", "receiver", "source", "rescued_pct"])
+
+
+def draw_rescue_matrix(points: pd.DataFrame):
+    groups = list(dict.fromkeys(points["group"])) or ["no group"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.6), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        frame = points[points["group"] == group]
+        if frame.empty or frame["rescued_pct"].isna().all():
+            _note_empty(ax, "no GRPO n=8 group run with prompt_success.parquet")
+            continue
+        receivers = list(dict.fromkeys(frame["receiver"]))
+        sources = [*receivers, "any peer"]
+        matrix = frame.pivot(index="receiver", columns="source", values="rescued_pct").reindex(
+            index=receivers, columns=sources)
+        image = ax.imshow(matrix.to_numpy(dtype=float), cmap="Blues", vmin=0, vmax=100)
+        for (i, j), value in np.ndenumerate(matrix.to_numpy(dtype=float)):
+            ax.text(j, i, "—" if np.isnan(value) else f"{value:.0f}", ha="center", va="center", fontsize=8,
+                    color="white" if value > 60 else "black")
+        ax.set_xticks(range(len(sources)), [catalog.model_display(s) for s in sources], rotation=30,
+                      ha="right", fontsize=7)
+        ax.set_yticks(range(len(receivers)), [catalog.model_display(r) for r in receivers], fontsize=7)
+        ax.set_xlabel("solved by (source S)")
+        ax.set_ylabel("all-fail prompts of (receiver R)")
+        ax.set_title(f"{group}: % of R's all-fail prompts S solved", fontsize=8)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    return fig
+
+
+def rescue_matrix(a: Analysis, out: Path) -> list[Path]:
+    """The K x K rescue matrix of each group (docs/exchange-k.md): which member rescues which."""
+    if not a.groups:
+        return []
+    points = rescue_matrix_points(a)
+    return _save(draw_rescue_matrix(points), out, "rescue-matrix", points)
 
 
 def pair_budget_points(a: Analysis, compute_table: tables.Table) -> pd.DataFrame:
@@ -371,4 +428,4 @@ def build_all(a: Analysis, out: Path) -> list[Path]:
     compute_table = tables.compute(a)
     return [*validation_curves(a, out), *rescue_fraction(a, out), *pair_budget(a, compute_table, out),
             *stored_vs_online(a, out), *compute_conservative(a, compute_table, out), *seed_curves(a, out),
-            *seed_budget(a, out)]
+            *seed_budget(a, out), *rescue_matrix(a, out)]

@@ -369,7 +369,8 @@ def _paired(row: Row, reference: str, tex: bool = False) -> str:
 
 
 EXTRA_HEADERS = {"eval_se": ("eval s.e.", 2), "joint_gpuh_best": ("device-h to best ckpts", 4),
-                 "joint_gpuh_full": ("device-h, full runs", 4)}
+                 "joint_gpuh_full": ("device-h, full runs", 4), "gpuh_model": ("device-h, this model", 4),
+                 "gpuh_job": ("device-h, whole job", 4)}
 
 
 def _seed_columns(table: Table) -> tuple[list[str], list[str]]:

@@ -73,6 +73,8 @@ class Analysis:
     @staticmethod
     def _method_key(run: pd.Series) -> str:
         method = run["method"]
+        if "," in str(run["peer"]):   # a group member that learnt from several peers at once
+            return catalog.all_peers_method(method, run.get(f"param:{catalog.SOURCE_RULE_PARAM}"))
         delta = pd.to_numeric(run.get(f"param:{catalog.DELTA_PARAM}"), errors="coerce")
         if method == "graft" and pd.notna(delta) and not math.isclose(delta, catalog.DEFAULT_DELTA):
             return catalog.delta_method(delta)
@@ -90,14 +92,37 @@ class Analysis:
     def pairs(self) -> dict[str, tuple[str, str]]:
         """Pair -> (model A, model B): tagged model runs first, the catalog for pairs nobody ran."""
         found = {}
-        for pair, group in self.model_runs.dropna(subset=["pair", "role"]).groupby("pair"):
-            roles = group.drop_duplicates("role").set_index("role")["model"]
-            if {"A", "B"} <= set(roles.index):
-                found[pair] = (roles["A"], roles["B"])
+        for pair, members in self._members().items():
+            if len(members) == 2:
+                found[pair] = members
         pairs = {p: found.get(p, catalog.PAIRS[p]) for p in catalog.PAPER_PAIRS}
         for pair in sorted(found):
             pairs.setdefault(pair, found[pair])
         return pairs
+
+    def _members(self) -> dict[str, tuple[str, ...]]:
+        """Pair or group name -> its models in member order (A, B, C, ...), from the model runs' tags."""
+        found = {}
+        for name, runs in self.model_runs.dropna(subset=["pair", "role"]).groupby("pair"):
+            roles = runs.drop_duplicates("role").set_index("role")["model"].sort_index()
+            if {"A", "B"} <= set(roles.index):
+                found[name] = tuple(roles)
+        return found
+
+    @cached_property
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Group (``group=...``, more than two models) -> its models in member order."""
+        return {name: members for name, members in self._members().items() if len(members) > 2}
+
+    def group_seeds(self, group: str) -> list[int]:
+        """Every seed any run of ``group``'s models ran with (with any peer, or alone)."""
+        runs = self.model_runs[self.model_runs["model"].isin(self.groups[group])]
+        return sorted(int(s) for s in runs["seed"].dropna().unique())
+
+    def source_rules(self, group: str) -> list[str]:
+        """Method keys of the all-peers runs of ``group`` (one per source rule that ran), sorted."""
+        runs = self.model_runs[self.model_runs["pair"].eq(group)]
+        return sorted(k for k in runs["method_key"].unique() if f" all peers {catalog.SOURCE_RULE_PARAM}=" in k)
 
     def pairs_with_runs(self, default: tuple[str, ...] = catalog.PAPER_PAIRS) -> list[str]:
         """Pairs that any model run names, in catalog order; ``default`` when the store names none."""

@@ -173,12 +173,14 @@ def clip_fractions(self_frac: pd.Series, peer_frac: pd.Series, peer_admitted: pd
     }
 
 
-def rescue_fraction(receiver: pd.DataFrame, peer: pd.DataFrame) -> pd.Series:
-    """Fig. 1 (right): per step, the fraction of the receiver's all-fail prompts that the peer solved.
+def rescue_fraction(receiver: pd.DataFrame, *peers: pd.DataFrame) -> pd.Series:
+    """Fig. 1 (right): per step, the fraction of the receiver's all-fail prompts that the peer solved (with
+    several peers, that at least one of them solved: a group's rescue).
 
-    Both frames hold ``step, prompt_id, k`` (successes out of n) from independent runs that saw the same
+    The frames hold ``step, prompt_id, k`` (successes out of n) from independent runs that saw the same
     prompt batches; prompts are matched on (step, prompt_id). Steps without an all-fail prompt are NaN.
     """
+    peer = pd.concat(peers).groupby(["step", "prompt_id"], as_index=False)["k"].max()
     joined = receiver.merge(peer, on=["step", "prompt_id"], suffixes=("_receiver", "_peer"))
     all_fail = joined[joined["k_receiver"] == 0]
     rescued = (all_fail["k_peer"] >= 1).groupby(all_fail["step"]).mean()

@@ -10,6 +10,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from analysis import catalog, rules
@@ -583,6 +584,61 @@ def compute_seeds(a: Analysis) -> Table:
     return table
 
 
+def _mean_costs(a: Analysis, label: str, method: str, model: str, peer: str, seeds: list[int]) -> dict:
+    """Device-hours of the model's training (its own share of its job) and of its whole job, mean over seeds."""
+    own, job = [], []
+    for seed in seeds:
+        run_id = a.find(label, method, model, "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed)
+        if run_id:
+            cost, job_cost = a.model_cost(run_id), a.job_cost(run_id)
+            own.append(cost.iloc[-1] if len(cost) else math.nan)
+            job.append(job_cost.iloc[-1] if len(job_cost) else math.nan)
+    return {"gpuh_model": float(np.nanmean(own)) if own else math.nan,
+            "gpuh_job": float(np.nanmean(job)) if job else math.nan}
+
+
+def group_seeds(a: Analysis) -> Table:
+    """The K-model study (sweeps/tiny3.yaml): per member R of each group, GRPO (n=8), GRAFT with each single
+    peer (the runs of R's pairs), and GRAFT with all peers once per source rule (the group runs). Paired
+    differences to GRPO (n=8) and to R's best single peer -- the single peer with the higher mean Avg over
+    seeds, chosen after the fact, so that comparison favours the single peer -- and device-hours: R's own
+    share, and its whole job's (two models in a pair, K in a group)."""
+    label = "group-seeds"
+    groups = a.groups
+    table = Table(label, "Co-training with several peers: each model of a group with GRPO (n=8), with each "
+                  "single peer, and with all its peers.", a.benches_of(a.model_runs.index[
+                      a.model_runs["model"].isin([m for ms in groups.values() for m in ms])]), kind="seeds")
+    benches = table.benches
+    for group, members in groups.items():
+        seeds = a.group_seeds(group)
+        table.items.append(Band(f"{group}: {' · '.join(map(catalog.model_display, members))}, seeds "
+                                f"{', '.join(map(str, seeds))}", "pair"))
+        all_peers = a.source_rules(group)
+        for model in members:
+            others = [m for m in members if m != model]
+            cells = [("grpo_n8", "none"), *(("graft", peer) for peer in others),
+                     *((method, ",".join(others)) for method in all_peers)]
+            scores = {(method, peer): _seed_scores(a, label, method, model, peer, seeds, benches)
+                      for method, peer in cells}
+            singles = {peer: scores[("graft", peer)][AVG].mean() for peer in others
+                       if not scores[("graft", peer)].empty}
+            best = max(singles, key=singles.get) if singles else None
+            references = {"grpo_n8": scores[("grpo_n8", "none")],
+                          catalog.BEST_PEER: scores[("graft", best)] if best else pd.DataFrame(columns=[AVG])}
+            table.items.append(Band(f"Updated policy: {catalog.model_display(model)}", "model"))
+            for method, peer in cells:
+                row = _paired_row(a, method, model, peer, scores[(method, peer)], references, seeds)
+                if method == "graft":
+                    row.label = f"GRAFT with {catalog.model_display(peer)}" + (" (best single peer)"
+                                                                                if peer == best else "")
+                    if peer == best:   # the reference itself: no difference to show
+                        row.extra |= {f"vs_{catalog.BEST_PEER}_{k}": math.nan for k in ("mean", "lo", "hi")}
+                row.ours = method != "grpo_n8" and method != "graft"
+                row.extra |= _mean_costs(a, label, method, model, peer, seeds)
+                table.items.append(row)
+    return table
+
+
 BUILDERS = {
     "main-results": main_results,
     "ablation": ablation,
@@ -595,6 +651,7 @@ BUILDERS = {
     "training-hparams": training_hparams,
     **{label: (lambda a, label=label: seed_table(a, label)) for label in SEED_TABLES},
     "compute-seeds": compute_seeds,
+    "group-seeds": group_seeds,
 }
 
 

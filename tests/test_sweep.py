@@ -18,7 +18,7 @@ from graft_exp.config import validate
 from graft_exp.launching import status
 from graft_exp.launching.jobs import Composer
 from graft_exp.sweep import SweepError, expand, plan, replace
-from graft_exp.sweep.launch import Launch, busy_cores, by_priority
+from graft_exp.sweep.launch import Launch, busy_cores, by_priority, launch_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -54,13 +54,13 @@ def test_expand_is_a_product_in_written_order():
 
 def test_one_file_per_table_with_its_study(sweeps, composer):
     assert set(sweeps) == {"main", "ablation", "alternatives", "delta", "stability", "stored",
-                           "clip_dynamics", "compute", "tiny", "tiny_lr"}
+                           "clip_dynamics", "compute", "tiny", "tiny_lr", "tiny3"}
     verl = composer.compose(["backend=verl"]).backend   # the paper's pairs run on verl
     for name, sweep in sweeps.items():
         assert sweep.study == name
         for sj in sweep.jobs:
             cfg = sj.job.cfg.copy()
-            if cfg.pair.name != "tiny":
+            if not cfg.pair.name.startswith("tiny"):
                 cfg.backend = verl
             validate(cfg)
 
@@ -104,6 +104,21 @@ def test_table_job_lists(sweeps):
                                           "graft", "graft_stored"}
     for name in ("ablation", "alternatives", "delta", "clip_dynamics", "compute"):
         assert {sj.job.cfg.pair.name for sj in sweeps[name].jobs} == {"pair1"}
+
+
+def test_group_study_jobs_and_their_launch_commands(sweeps, tmp_path):
+    """sweeps/tiny3.yaml: per model GRPO n=8, GRAFT with each single peer, GRAFT with both peers per source
+    rule. A group's multirun is launched with ``group=...`` (no pair config has the group's name)."""
+    study = sweeps["tiny3"]
+    jobs = {(sj.job.cfg.pair.name, sj.job.cfg.method.name, sj.job.cfg.method.source_rule) for sj in study.jobs}
+    assert jobs == {("tiny3", "graft", rule) for rule in ("most_successes", "compatibility", "random")} | {
+        ("tiny3", "grpo_n8", "most_successes")} | {(p, "graft", "most_successes") for p in ("tiny", "tiny_ac", "tiny_bc")}
+    assert {sj.job.cfg.seed for sj in study.jobs} == set(range(5)) and len(study.jobs) == 35
+    commands = launch_commands(study, study.jobs, [], tmp_path)
+    assert [c[0][4] for c in commands] == ["group=tiny3", "pair=tiny", "pair=tiny_ac", "pair=tiny_bc"]
+    group_jobs = sorted((commands[0][1] / "jobs" / "sweep_job").glob("*.yaml"))
+    settings = [line for p in group_jobs for line in p.read_text().splitlines() if not line.startswith("#")]
+    assert len(group_jobs) == 20 and not any("group" in line or "pair" in line for line in settings)
 
 
 def test_same_config_is_the_same_run_across_sweeps(sweeps):

@@ -1,4 +1,4 @@
-"""Launching a planned sweep: job config files, one multirun per pair, jobs started once what they need
+"""Launching a planned sweep: job config files, one multirun per pair or group, jobs started once what they need
 (``after``) is trained."""
 
 from __future__ import annotations
@@ -22,13 +22,20 @@ from graft_exp.sweep.planning import Sweep, SweepJob
 from graft_exp.sweep.state import STYLE, console, counts, report, snapshot
 
 
+def models_override(job: Job) -> str:
+    """The override that chooses the job's models, ``group=...`` or ``pair=...``: the launch
+    command sets it, so that the launcher's resources follow the models."""
+    groups = [text for text in job.overrides if text.split("=", 1)[0] == "group"]
+    return groups[-1] if groups else f"pair={job.cfg.pair.name}"
+
+
 def job_file(job: Job, group_keys: set[str]) -> str:
     """A Hydra config (the "experiment" pattern) that sets the job's own overrides, except the
-    pair, which the launch command sets so that the launcher's resources follow the pair."""
+    pair or group, which the launch command sets (:func:`models_override`)."""
     defaults, values = [], {}
     for text in job.overrides:
         key, value = text.split("=", 1)
-        if key == "pair":
+        if key in ("pair", "group"):
             continue
         if key in group_keys:
             defaults.append(f"  - override /{key}: {value}")
@@ -45,16 +52,15 @@ def job_file(job: Job, group_keys: set[str]) -> str:
 
 def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path,
                     workers: int | None = None) -> list[tuple[list[str], Path, list[str]]]:
-    """One ``python -m graft_exp -m`` command per pair (the pair fixes the launcher's resources):
+    """One ``python -m graft_exp -m`` command per pair or group (it fixes the launcher's resources):
     (command, its Hydra sweep dir, the run keys in the order given). ``workers``: the local
     launcher's worker processes (default: one per core)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     commands = []
-    pairs = list(dict.fromkeys(sj.job.cfg.pair.name for sj in ready))
     group_keys = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-    for pair in pairs:
-        batch = [sj for sj in ready if sj.job.cfg.pair.name == pair]
-        sweep_dir = (out / sweep.study / f"{stamp}-{pair}").resolve()
+    for models in dict.fromkeys(models_override(sj.job) for sj in ready):
+        batch = [sj for sj in ready if models_override(sj.job) == models]
+        sweep_dir = (out / sweep.study / f"{stamp}-{batch[0].job.cfg.pair.name}").resolve()
         jobs_dir = sweep_dir / "jobs" / "sweep_job"
         jobs_dir.mkdir(parents=True, exist_ok=True)
         names = []
@@ -62,7 +68,7 @@ def launch_commands(sweep: Sweep, ready: list[SweepJob], overrides: list[str], o
             name = f"j{sj.index:03d}"
             (jobs_dir / f"{name}.yaml").write_text(job_file(sj.job, group_keys))
             names.append(name)
-        command = [sys.executable, "-m", "graft_exp", "-m", f"pair={pair}", f"+sweep_job={','.join(names)}",
+        command = [sys.executable, "-m", "graft_exp", "-m", models, f"+sweep_job={','.join(names)}",
                    f"study={sweep.study}", f"hydra.searchpath=[file://{sweep_dir / 'jobs'}]",
                    f"hydra.sweep.dir={sweep_dir}", *overrides]
         if workers is not None:
@@ -85,7 +91,7 @@ class Launch:
 
 def launch(sweep: Sweep, ready: list[SweepJob], overrides: list[str], out: Path,
            manifest: Path, workers: int | None = None) -> list[Launch]:
-    """Start the multiruns of ``ready`` (one per pair) without waiting for them."""
+    """Start the multiruns of ``ready`` (one per pair or group) without waiting for them."""
     launches = []
     for command, sweep_dir, keys in launch_commands(sweep, ready, overrides, out, workers):
         with manifest.open("a") as f:
