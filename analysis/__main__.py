@@ -126,8 +126,8 @@ def cmd_compare(args) -> None:
 
 
 def cmd_readme(args) -> None:
-    path = readme.write(args.out, args.readme)
-    console.print(f"rebuilt the seed-study section of {path} from {args.out}")
+    path = readme.write(args.out, args.readme, args.section)
+    console.print(f"rebuilt the {args.section} section of {path} from {args.out}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,6 +145,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "readme":
             command.add_argument("readme", type=Path, help="the README to update, e.g. README.md")
             command.add_argument("--out", type=Path, required=True, help="where tables and figures wrote")
+            command.add_argument("--section", choices=list(readme.SECTIONS), default="seed-study",
+                                 help="which generated section: the pair seed study (sweeps/tiny.yaml) or "
+                                      "the K-model study (sweeps/tiny3.yaml)")
             command.set_defaults(handler=handler, tracking_uri=None)
             continue
         command.add_argument("--tracking-uri", default=None,

@@ -10,7 +10,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 
 from analysis import catalog, rules
@@ -593,8 +592,7 @@ def _mean_costs(a: Analysis, label: str, method: str, model: str, peer: str, see
             cost, job_cost = a.model_cost(run_id), a.job_cost(run_id)
             own.append(cost.iloc[-1] if len(cost) else math.nan)
             job.append(job_cost.iloc[-1] if len(job_cost) else math.nan)
-    return {"gpuh_model": float(np.nanmean(own)) if own else math.nan,
-            "gpuh_job": float(np.nanmean(job)) if job else math.nan}
+    return {"gpuh_model": pd.Series(own, dtype=float).mean(), "gpuh_job": pd.Series(job, dtype=float).mean()}
 
 
 def group_seeds(a: Analysis) -> Table:
@@ -631,6 +629,7 @@ def group_seeds(a: Analysis) -> Table:
                 if method == "graft":
                     row.label = f"GRAFT with {catalog.model_display(peer)}" + (" (best single peer)"
                                                                                 if peer == best else "")
+                    row.extra["label"] = row.label
                     if peer == best:   # the reference itself: no difference to show
                         row.extra |= {f"vs_{catalog.BEST_PEER}_{k}": math.nan for k in ("mean", "lo", "hi")}
                 row.ours = method != "grpo_n8" and method != "graft"

@@ -18,7 +18,7 @@ from graft_exp.config import validate
 from graft_exp.launching import status
 from graft_exp.launching.jobs import Composer
 from graft_exp.sweep import SweepError, expand, plan, replace
-from graft_exp.sweep.launch import Launch, busy_cores, by_priority, launch_commands
+from graft_exp.sweep.launch import Launch, busy_cores, by_priority, exclusive_batch, launch_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -162,6 +162,17 @@ def test_a_multiruns_tail_frees_its_cores():
     assert busy_cores([wave], states) == 2
     assert busy_cores([wave, Launch(proc=None, keys=["d"], workers=1)], states) == 3
     assert busy_cores([Launch(proc=None, keys=["a", "c"], workers=2)], states) == 0
+
+
+def test_an_exclusive_cluster_starts_one_multirun_at_a_time(sweeps):
+    """Ready jobs of several pairs and a group on 2 idle cores: one multirun (the first pair or group's
+    jobs, 2 workers), not one per pair each taking both cores; a tail takes as many jobs as idle cores."""
+    ready = sweeps["tiny3"].jobs
+    first = exclusive_batch(ready, 2, tail=False)
+    assert {sj.job.cfg.pair.name for sj in first} == {"tiny3"} and len(first) == 20
+    assert len(exclusive_batch(ready, 1, tail=True)) == 1
+    later = exclusive_batch([sj for sj in ready if sj.job.cfg.pair.name != "tiny3"], 2, tail=True)
+    assert len(later) == 2 and len({sj.job.cfg.pair.name for sj in later}) == 1
 
 
 def test_gpu_hours_estimate_from_the_paper(sweeps):

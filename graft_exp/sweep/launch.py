@@ -116,6 +116,15 @@ def busy_cores(launches: list[Launch], states: dict[str, tuple[str, str | None]]
     return sum(min(la.workers, sum(states[k][0] not in ended for k in la.keys)) for la in launches)
 
 
+def exclusive_batch(ready: list[SweepJob], idle: int, tail: bool) -> list[SweepJob]:
+    """The ready jobs an exclusive cluster starts now on its ``idle`` cores: those of the first pair or
+    group only (one multirun, whose workers are the idle cores: several at once would each take them
+    all), and in a tail exactly as many as there are idle cores, so that later ones can be filled too."""
+    first = models_override(ready[0].job)
+    batch = [sj for sj in ready if models_override(sj.job) == first]
+    return batch[:idle] if tail else batch
+
+
 def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: float,
         cores: int | None = None) -> int:
     """Launch every job that is neither finished nor queued as soon as what it needs is trained;
@@ -159,8 +168,8 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
         ready = by_priority(sweep, [sj for sj in todo if snap.ready(sj)])
         idle = cores - busy_cores(launches, snap.states) if cores else int(parallel or not launches)
         if ready and idle > 0:
-            if cores and launches:   # a tail: exactly the idle cores, so later ones can be filled too
-                ready = ready[:idle]
+            if cores:
+                ready = exclusive_batch(ready, idle, tail=bool(launches))
             launches += launch(sweep, ready, overrides, out, manifest, workers=min(idle, len(ready)) if cores else None)
             attempted |= {sj.key for sj in ready}
             continue
