@@ -119,7 +119,8 @@ class EngineFactory:
             kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
             self.ray_dir = kwargs["_temp_dir"]
             start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
-            start_models(list(backend.models.values()), with_ref=backend.spec.needs_reference_model)
+            # With the reference model whichever job starts them: hacpo's KL term needs it, the others ignore it.
+            start_models(list(backend.models.values()), with_ref=True)
             self.live = backend.models
         else:
             for role, model in backend.models.items():
@@ -213,10 +214,7 @@ def test_graft_through_the_driver_on_the_real_engine(compose_cfg, prepared, stor
         backend.sample("A", backend.problems()[:2], n, seed=1, step=3)
 
 
-# hacpo is not here yet: its reference model's FSDP1 CPU offload pins memory in the first forward
-# (torch/distributed/fsdp/_flat_param.py init_flat_param_attributes), which needs an accelerator; verl's
-# ref fsdp_config.param_offload=false through backend.verl_overrides did not reach that worker.
-@pytest.mark.parametrize("method", ["sgt", "grpo_ds"])
+@pytest.mark.parametrize("method", ["sgt", "hacpo", "grpo_ds"])
 def test_method_through_the_driver_on_the_real_engine(compose_cfg, prepared, store_template, tmp_path,  # noqa: F811
                                                       factory, method):
     """Two steps, validations, checkpoints and the final evaluation of the best checkpoint on the workers the

@@ -169,6 +169,19 @@ def apply() -> None:
     transformer_impl.load_fsdp_model_to_gpu = lambda module: None
     transformer_impl.offload_fsdp_model_to_cpu = lambda module, *args, **kwargs: None
 
+    # verl/workers/engine/fsdp/transformer_impl.py _build_fsdp_module wraps a forward-only engine (the
+    # reference model) with CPUOffload(offload_params=True), imported from torch.distributed.fsdp at the call;
+    # offloading pins host memory (torch/distributed/fsdp/_flat_param.py init_flat_param_attributes), which
+    # needs an accelerator. On a CPU machine the parameters are in host memory already: no offload.
+    import torch.distributed.fsdp as torch_fsdp
+    if not getattr(torch_fsdp.CPUOffload, "cpu_patched", False):
+        class HostMemoryAlready(torch_fsdp.CPUOffload):
+            cpu_patched = True
+
+            def __init__(self, offload_params: bool = False):
+                super().__init__(offload_params=False)
+        torch_fsdp.CPUOffload = HostMemoryAlready
+
     # verl/utils/checkpoint/fsdp_checkpoint_manager.py save_checkpoint: the HF export calls
     # get_fsdp_full_state_dict(self.model, offload_to_cpu=True, rank0_only=True); FSDP1's full state dict
     # with offload_to_cpu fails for parameters already on the CPU.
