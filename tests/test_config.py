@@ -20,7 +20,7 @@ DESIGN_METHODS = set(declared_methods)
 def test_every_design_method_has_a_config():
     """One YAML per declared method and one declaration per YAML (graft_exp/methods.py)."""
     assert set(METHODS) == DESIGN_METHODS
-    assert set(PAIRS) == {"tiny", "pair1", "pair2", "pair3"}
+    assert set(PAIRS) == {"tiny", "tiny_ac", "tiny_bc", "pair1", "pair2", "pair3"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def prepared_data_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("method", METHODS)
 def test_every_pair_and_method_composes_and_validates(compose_cfg, pair, method):
-    backend = ["backend=local"] if pair == "tiny" else ["backend=verl"]
+    backend = ["backend=local"] if pair.startswith("tiny") else ["backend=verl"]
     cfg = compose_cfg(f"pair={pair}", f"method={method}", *backend)
     validate(cfg)
     assert cfg.method.name == method
