@@ -145,6 +145,7 @@ class LocalBackendConfig:
     progress: bool = True
     threads: int | None = 1        # torch CPU threads (null: torch's default)
     sampler: str = "static_cache"     # static_cache | loop (one model call per token, the old sampler)
+    concurrent: bool = True           # on CPU, each model's phases in a thread of its own (a core each)
 
 
 @dataclass

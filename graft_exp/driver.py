@@ -390,13 +390,16 @@ class Driver:
         log.info("resumed from %s (step %d)", found[-1], state["step"])
 
     # -------------------------------------------------------------------- the job
-    def finish_member(self, member: Member) -> dict[str, float]:
-        """Final evaluation of the best checkpoint (R runs x k samples), artifacts, FINISHED."""
+    def final_evaluation(self, role: str) -> list[dict[str, float]]:
+        """The best checkpoint's scores, R runs x k samples."""
         ev = self.cfg.eval
-        self.backend.restore_best(member.role)
-        results = final_evaluation(self.backend.generate(member.role, member.best.step), self.backend.benchmarks(),
-                                   int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
-                                   derive_seed(self.cfg.seed, "test"))
+        self.backend.restore_best(role)
+        return final_evaluation(self.backend.generate(role, self.members[role].best.step), self.backend.benchmarks(),
+                                int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
+                                derive_seed(self.cfg.seed, "test"))
+
+    def finish_member(self, member: Member, results: list[dict[str, float]]) -> dict[str, float]:
+        """Record the final evaluation, the artifacts, FINISHED."""
         for r, scores in enumerate(results):
             member.log({schema.TEST + k: v for k, v in scores.items()}, r)
         if member.run is not None:
@@ -438,7 +441,8 @@ class Driver:
                     self.save_checkpoint(step)
                 if step == stop_at_step:
                     return {}
-        return {role: self.finish_member(m) for role, m in self.members.items()}
+        results = self.each(self.final_evaluation)
+        return {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
 
     def log_config(self) -> None:
         path = self.root / "config.yaml"

@@ -49,8 +49,6 @@ def load_member_model(key: str, progress: bool):
 class LocalBackend:
     """The models of one job as ``LocalPolicy`` objects on one device (``contract.Backend``)."""
 
-    concurrent = False   # one device: the models take turns
-
     def __init__(self, cfg: DictConfig, roles: list[str], run_dir: Path | None = None):
         # run_dir (the contract's) is unused: the local backend keeps its best weights in memory and in
         # the driver's checkpoints.
@@ -62,6 +60,10 @@ class LocalBackend:
             torch.set_num_threads(int(cfg.backend.threads))
         self.cfg, self.roles, self.train = cfg, roles, cfg.train
         self.device = resolve_device(cfg.backend.device)
+        # On CPU each model's work runs on a core of its own, and each model is then charged as one device:
+        # torch's kernels release the GIL, and with one intra-op thread each the threads never spin against
+        # each other. One GPU is one device: its models take turns.
+        self.concurrent = bool(cfg.backend.concurrent) and self.device.type == "cpu" and len(roles) > 1
         self.gpus = accounted_gpus(cfg)
         size = cfg.eval.max_problems or tiny.EVAL_SIZE
         self._benchmarks = {k: v[:size] for k, v in tiny.benchmarks(list(cfg.pair.benchmarks)).items()}
