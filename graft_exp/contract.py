@@ -49,7 +49,7 @@ class Backend(Protocol):
     """What the driver needs from a backend; one instance per job, holding the models of ``roles``."""
 
     roles: list[str]
-    concurrent: bool        # the models sit on disjoint devices: their phases may run at the same time
+    concurrent: bool        # the models sit on disjoint devices (GPU pools, CPU cores): their phases may run at once
 
     def problems(self) -> list:
         """The training problems (``.uid``, ``.prompt``, ``.answer``), in a fixed order."""

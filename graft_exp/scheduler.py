@@ -22,6 +22,16 @@ SLURM_ACTIVE = {SLURM_HELD, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "
                 "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 
 
+#: Set by a launcher that runs several jobs at once on this machine's cores: how many each job may use.
+JOB_CORES_ENV = "GRAFT_JOB_CORES"
+
+
+def job_cores() -> int:
+    """Cores this job may use: ``GRAFT_JOB_CORES`` where a launcher shares this machine's cores between
+    jobs, else the cores this process may run on (its affinity: Slurm's cpuset, taskset)."""
+    return int(os.environ.get(JOB_CORES_ENV) or len(os.sched_getaffinity(0)))
+
+
 def slurm_job_id() -> str | None:
     """This process's Slurm job as ``squeue -r`` names it: ``<array>_<task>`` for array tasks."""
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")

@@ -44,6 +44,9 @@ def test_jobs_of_a_multirun_overlap_and_finish(tmp_path, store_template):
     assert list(jobs["status"]) == ["FINISHED", "FINISHED"], output[-4000:]
     first, second = jobs.to_dict("records")
     assert second["start_time"] < first["end_time"], "the second job started only after the first ended"
+    # The jobs share the cores, one each: each job's models take turns on its core.
+    job_logs = [p.read_text() for p in (tmp_path / "multirun").glob("*/__main__.log")]
+    assert len(job_logs) == 2 and all("the models take turns" in text for text in job_logs), job_logs
 
 
 @pytest.mark.slow

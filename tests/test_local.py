@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow_records import histories, model_runs
 
-from graft_exp import driver, schema, tracking
+from graft_exp import driver, scheduler, schema, tracking
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
 from graft_exp.methods import METHODS as declared_methods
@@ -61,10 +61,11 @@ def test_graft_step_exchanges_trajectories(make_job):
 @pytest.mark.slow
 def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_path):
     results = []
-    for name in ("first", "second"):
+    # The second run's models take turns where the first's ran at the same time (on a machine with 2+ cores).
+    for name, concurrent in (("first", "true"), ("second", "false")):
         store = tmp_path / name
         store.mkdir()
-        cfg, job = make_job("train.max_steps=2", store=store)
+        cfg, job = make_job("train.max_steps=2", f"backend.concurrent={concurrent}", store=store)
         driver.fit(cfg, job, local.LocalBackend)
         results.append((job.client, job.run_id))
     client, job_id = results[0]
@@ -96,13 +97,22 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
     model_cost = [histories(client, r.info.run_id)["cost/gpu_hours"] for r in runs.values()]
     for (step, joint), (_, a), (_, b) in zip(job_metrics["cost/gpu_hours"], *model_cost):
         assert a + b == pytest.approx(joint, rel=1e-9) and a > 0 and b > 0, step
-    # Same seed, same metrics (wall-clock cost aside).
+    # Same seed, same metrics (wall-clock cost aside), concurrent models or not.
     second_runs = model_runs(*results[1])
     for role in ("A", "B"):
         first, second = (histories(c, r.info.run_id) for c, r in
                          ((client, runs[role]), (results[1][0], second_runs[role])))
         first.pop("cost/gpu_hours"), second.pop("cost/gpu_hours")
         assert first == second, role
+
+
+def test_models_run_concurrently_on_cpu_unless_the_job_shares_its_cores(compose_cfg, monkeypatch):
+    monkeypatch.setenv(scheduler.JOB_CORES_ENV, "2")
+    assert local.LocalBackend(compose_cfg("backend.device=cpu"), ["A", "B"]).concurrent
+    assert not local.LocalBackend(compose_cfg("backend.device=cpu", "backend.concurrent=false"), ["A", "B"]).concurrent
+    assert not local.LocalBackend(compose_cfg("backend.device=cpu", "method=grpo_n8"), ["B"]).concurrent
+    monkeypatch.setenv(scheduler.JOB_CORES_ENV, "1")    # a cluster=local multirun: one core per job
+    assert not local.LocalBackend(compose_cfg("backend.device=cpu"), ["A", "B"]).concurrent
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ responses under the receiver's old policy, and updates a receiver over the drive
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,11 @@ from graft_exp.costs import accounted_gpus
 from graft_exp.exchange import PEER, ReceiverBatch, Scorer
 from graft_exp.objective import COUNT_METRICS, LossSpec, NllRows, generation_mean_log_prob, receiver_loss
 from graft_exp.rollouts import Rollouts
+from graft_exp.scheduler import job_cores
 from graft_exp.tiny import models as tiny
 from graft_exp.tiny.task import SKILLS, Problem, train_split
+
+log = logging.getLogger("graft_exp")
 
 
 @dataclass
@@ -60,10 +64,15 @@ class LocalBackend:
             torch.set_num_threads(int(cfg.backend.threads))
         self.cfg, self.roles, self.train = cfg, roles, cfg.train
         self.device = resolve_device(cfg.backend.device)
-        # On CPU each model's work runs on a core of its own, and each model is then charged as one device:
-        # torch's kernels release the GIL, and with one intra-op thread each the threads never spin against
-        # each other. One GPU is one device: its models take turns.
-        self.concurrent = bool(cfg.backend.concurrent) and self.device.type == "cpu" and len(roles) > 1
+        # On CPU each model's work runs on a core of its own when the job has cores to spare, and each model
+        # is then charged as one device: torch's kernels release the GIL, and with one intra-op thread each
+        # the threads never spin against each other. One GPU is one device: its models take turns; so do
+        # the models of a job that shares the machine's cores with others (a cluster=local multirun,
+        # scheduler.job_cores).
+        self.concurrent = (bool(cfg.backend.concurrent) and self.device.type == "cpu" and len(roles) > 1
+                           and job_cores() > 1)
+        log.info("backend=local on %s: %s", self.device,
+                 "the models run at the same time, a core each" if self.concurrent else "the models take turns")
         self.gpus = accounted_gpus(cfg)
         size = cfg.eval.max_problems or tiny.EVAL_SIZE
         self._benchmarks = {k: v[:size] for k, v in tiny.benchmarks(list(cfg.pair.benchmarks)).items()}

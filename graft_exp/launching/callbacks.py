@@ -240,6 +240,9 @@ class LaunchCallback(Callback):
                 with read_write(config.hydra.launcher):
                     config.hydra.launcher.n_jobs = 1   # the joblib launcher runs them in this order
                 parallel = False
+        if parallel and config.cluster.get("exclusive"):
+            # The jobs share this machine's cores, one each: the joblib workers started after this inherit it.
+            os.environ[scheduler.JOB_CORES_ENV] = "1"
         missing_logs = missing_stored_logs(jobs, parallel)
         if missing_logs:
             fail_before_launch("nothing launched: stored-trajectory jobs have no log to replay:\n  "
