@@ -11,10 +11,11 @@ ratio, and how many samples the two produced identically (same seed: they draw f
 they differ only where float rounding tips a draw).
 
 Part 2 (the default job): ``python -m graft_exp`` as README's first command runs it (pair=tiny,
-method=graft, 30 steps with validation and the final evaluation), once per sampler per repeat,
-alternating, each in a fresh process with a private MLflow store. Prints wall times, the CPU time of
-the job's processes (user + system, its reward workers included: the wall time an idle machine would
-show, about), and their ratios.
+method=graft, 30 steps with validation and the final evaluation), in three set-ups per repeat, alternating
+their order, each in a fresh process with a private MLflow store: the old one (``backend.sampler=loop``,
+the models taking turns), the static-cache sampler alone, and the new default (static cache, the models at
+the same time on a core each, ``backend.concurrent=true``). Prints wall times, the CPU time of the job's
+processes (user + system, its reward workers included) and the wall-time ratios to the old set-up.
 """
 
 from __future__ import annotations
@@ -81,12 +82,18 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+#: The default job's set-ups, old first: (name, overrides).
+SETUPS = (("loop, in turn", ["backend.sampler=loop", "backend.concurrent=false"]),
+          ("static, in turn", ["backend.sampler=static_cache", "backend.concurrent=false"]),
+          ("static, concurrent", ["backend.sampler=static_cache", "backend.concurrent=true"]))
+
+
 def default_job(repeats: int) -> None:
-    wall, cpu = {s: [] for s in SAMPLERS}, {s: [] for s in SAMPLERS}
+    wall, cpu = {name: [] for name, _ in SETUPS}, {name: [] for name, _ in SETUPS}
     for r in range(repeats):
-        for sampler in (SAMPLERS if r % 2 == 0 else SAMPLERS[::-1]):
+        for name, overrides in (SETUPS if r % 2 == 0 else SETUPS[::-1]):
             with tempfile.TemporaryDirectory() as tmp:
-                command = [sys.executable, "-m", "graft_exp", f"backend.sampler={sampler}", "backend.progress=false",
+                command = [sys.executable, "-m", "graft_exp", *overrides, "backend.progress=false",
                            f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"checkpoint_root={tmp}/ckpt",
                            f"hydra.run.dir={tmp}/hydra"]
                 start, start_cpu = time.perf_counter(), children_cpu()
@@ -94,21 +101,22 @@ def default_job(repeats: int) -> None:
                                       env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
                 seconds, cpu_seconds = time.perf_counter() - start, children_cpu() - start_cpu
             if done.returncode:
-                sys.exit(f"the default job failed with backend.sampler={sampler}:\n{done.stderr[-3000:]}")
-            wall[sampler].append(seconds)
-            cpu[sampler].append(cpu_seconds)
-            print(f"default job, backend.sampler={sampler:12} wall {seconds:6.1f} s, CPU {cpu_seconds:6.1f} s "
+                sys.exit(f"the default job failed with {' '.join(overrides)}:\n{done.stderr[-3000:]}")
+            wall[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+            print(f"default job, {name:18} wall {seconds:6.1f} s, CPU {cpu_seconds:6.1f} s "
                   f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-    for name, times in (("wall", wall), ("CPU", cpu)):
-        mean = {s: sum(v) / len(v) for s, v in times.items()}
-        print(f"default job {name} time (mean of {repeats}): loop {mean['loop']:.1f} s, static_cache "
-              f"{mean['static_cache']:.1f} s, ratio {mean['loop'] / mean['static_cache']:.2f}x")
+    old = SETUPS[0][0]
+    for label, times in (("wall", wall), ("CPU", cpu)):
+        mean = {name: sum(v) / len(v) for name, v in times.items()}
+        print(f"default job {label} time (mean of {repeats}): " + ", ".join(
+            f"{name} {mean[name]:.1f} s ({mean[old] / mean[name]:.2f}x)" for name in mean))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="sampling repeats per workload and sampler")
-    parser.add_argument("--jobs", type=int, default=1, help="default-job runs per sampler")
+    parser.add_argument("--jobs", type=int, default=1, help="default-job runs per set-up")
     parser.add_argument("--skip-job", action="store_true", help="sampling only")
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")

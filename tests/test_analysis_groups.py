@@ -46,7 +46,7 @@ PROMPT_SUCCESS = {A: success([0, 0, 0, 5], [0, 1, 0, 0]), B: success([2, 0, 0, 0
 def jobs() -> list[JobSpec]:
     out = []
     for i, seed in enumerate(SEEDS):
-        def member(model, role, peer, key, success_frame=None):
+        def member(model, role, peer, key, success_frame=None, i=i):
             avg = A_AVG[key][i] if model == A else 20
             return ModelSpec(model, role, peer, 8, 2, flat(avg), prompt_success=success_frame)
 

@@ -74,8 +74,8 @@ def test_a_pair_draws_nothing_extra_and_equals_the_pair_exchange():
     scores = [-1.0, -1.0 + math.log(0.9), -1.0 + math.log(0.5), -0.5]
     for rule in ("most_successes", "compatibility", "random"):
         gen = torch.Generator().manual_seed(7)
-        batch_a, batch_b, (a_to_b, b_to_a) = plan_pair(method(source_rule=rule), a, b,
-                                                       (scorer_with(scores), scorer_with(scores)), gen)
+        _, _, (a_to_b, b_to_a) = plan_pair(method(source_rule=rule), a, b,
+                                           (scorer_with(scores), scorer_with(scores)), gen)
         assert a_to_b.tolist() == [False, True, False, False] and b_to_a.tolist() == [True, False, False, False]
         assert torch.equal(gen.get_state(), torch.Generator().manual_seed(7).get_state())   # no draw spent
 
