@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
-from graft_exp import methods
+from graft_exp import methods, scheduler
 from graft_exp.extras import MissingExtra, require
 
 BACKENDS = ("local", "verl")
@@ -466,6 +466,10 @@ def validate_environment(cfg: DictConfig) -> None:
     backend_installed(cfg.backend.name)
     prepared_data(cfg)
     validate_checkpoint_root(str(cfg.checkpoint_root))
+    try:
+        scheduler.job_cores()   # the local backend's concurrent models read it
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def validate_job(cfg: DictConfig) -> None:

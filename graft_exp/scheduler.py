@@ -29,7 +29,12 @@ JOB_CORES_ENV = "GRAFT_JOB_CORES"
 def job_cores() -> int:
     """Cores this job may use: ``GRAFT_JOB_CORES`` where a launcher shares this machine's cores between
     jobs, else the cores this process may run on (its affinity: Slurm's cpuset, taskset)."""
-    return int(os.environ.get(JOB_CORES_ENV) or len(os.sched_getaffinity(0)))
+    given = os.environ.get(JOB_CORES_ENV)
+    if not given:
+        return len(os.sched_getaffinity(0))
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"{JOB_CORES_ENV}={given!r} is not a number of cores: set a positive integer, or unset it")
+    return int(given)
 
 
 def slurm_job_id() -> str | None:

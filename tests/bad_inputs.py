@@ -79,6 +79,8 @@ CASES = [
     Case("multirun with one bad job", ("-m", "train.max_steps=2,0"),
          "train.max_steps=0): train.max_steps=0 must be an integer >= 1"),
     Case("sweep with a bad job", ("train.top_p=0",), "train.top_p=0.0 must be in (0, 1]", sweep=True),
+    Case("cores per job not a number", (), "GRAFT_JOB_CORES='two' is not a number of cores",
+         env={"GRAFT_JOB_CORES": "two"}),
 ]
 
 SWEEP = "study: default\nruns:\n  - {method: [grpo_n8, graft], seed: 0}\n"
