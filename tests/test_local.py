@@ -111,6 +111,8 @@ def test_models_run_concurrently_on_cpu_unless_the_job_shares_its_cores(compose_
     assert local.LocalBackend(compose_cfg("backend.device=cpu"), ["A", "B"]).concurrent
     assert not local.LocalBackend(compose_cfg("backend.device=cpu", "backend.concurrent=false"), ["A", "B"]).concurrent
     assert not local.LocalBackend(compose_cfg("backend.device=cpu", "method=grpo_n8"), ["B"]).concurrent
+    # Several intra-op threads per model would spin against each other's: the models take turns.
+    assert not local.LocalBackend(compose_cfg("backend.device=cpu", "backend.threads=null"), ["A", "B"]).concurrent
     monkeypatch.setenv(scheduler.JOB_CORES_ENV, "1")    # a cluster=local multirun: one core per job
     assert not local.LocalBackend(compose_cfg("backend.device=cpu"), ["A", "B"]).concurrent
 

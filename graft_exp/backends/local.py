@@ -66,11 +66,11 @@ class LocalBackend:
         self.device = resolve_device(cfg.backend.device)
         # On CPU each model's work runs on a core of its own when the job has cores to spare, and each model
         # is then charged as one device: torch's kernels release the GIL, and with one intra-op thread each
-        # the threads never spin against each other. One GPU is one device: its models take turns; so do
-        # the models of a job that shares the machine's cores with others (a cluster=local multirun,
-        # scheduler.job_cores).
+        # the threads never spin against each other (so only with backend.threads=1). One GPU is one device:
+        # its models take turns; so do the models of a job that shares the machine's cores with others (a
+        # cluster=local multirun, scheduler.job_cores).
         self.concurrent = (bool(cfg.backend.concurrent) and self.device.type == "cpu" and len(roles) > 1
-                           and job_cores() > 1)
+                           and cfg.backend.threads == 1 and job_cores() > 1)
         log.info("backend=local on %s: %s", self.device,
                  "the models run at the same time, a core each" if self.concurrent else "the models take turns")
         self.gpus = accounted_gpus(cfg)
