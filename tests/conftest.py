@@ -4,13 +4,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow
 import pytest
 from hydra import compose, initialize_config_dir, initialize_config_module  # noqa: F401  (re-exported for tests)
 from hydra.core.global_hydra import GlobalHydra
-from mlflow.tracking import MlflowClient
 from private_slurm import PrivateSlurm, why_not_startable
 
+from graft_exp import tracking
 from graft_exp.config import register_schemas
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -32,13 +31,7 @@ def compose_cfg():
 def store_template(request) -> Path:
     """An empty, fully migrated SQLite store, built once (MLflow's migrations take seconds) and
     copied by every test that needs one."""
-    cache = Path(request.config.cache.mkdir("graft-mlflow-store"))
-    db = cache / f"mlflow-{mlflow.__version__}.db"
-    if not db.exists():
-        tmp = cache / f"building-{os.getpid()}.db"
-        MlflowClient(f"sqlite:///{tmp}").search_experiments()
-        tmp.replace(db)
-    return db
+    return tracking.empty_store_template(Path(request.config.cache.mkdir("graft-mlflow-store")))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,6 +6,7 @@ import logging
 import multiprocessing
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -58,6 +59,35 @@ def test_ensure_store_is_idempotent(uri):
     first = tracking.ensure_store(uri, "graft/main")
     assert tracking.ensure_store(uri, "graft/main") == first
     assert MlflowClient(uri).get_experiment(first).name == "graft/main"
+
+
+def test_new_sqlite_store_is_copied_from_the_migrated_template(tmp_path, monkeypatch):
+    """A new store is a copy of the cached empty template (MLflow's migrations run once per version,
+    not per store): it is at MLflow's head revision, its Default experiment keeps its artifacts beside
+    the first process that opens it (MLflow's ./mlruns, as in a store MLflow creates), and a file that
+    appeared meanwhile is never replaced."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path / "cache"))
+    template = tracking.empty_store_template()
+    assert template.parent == tmp_path / "cache" / "mlflow"
+    built = template.stat().st_mtime_ns
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        uri = f"sqlite:///{tmp_path / name / 'mlflow.db'}"
+        experiment = tracking.ensure_store(uri, "graft/main")
+        client = MlflowClient(uri)
+        assert client.get_experiment(experiment).name == "graft/main"
+        assert Path(client.get_experiment("0").artifact_location) == tmp_path / name / "mlruns" / "0"
+        with sqlite3.connect(tmp_path / name / "mlflow.db") as db:
+            assert db.execute("SELECT version_num FROM alembic_version").fetchone()[0] == _get_latest_schema_revision()
+    assert template.stat().st_mtime_ns == built   # built once, copied twice
+    existing = tmp_path / "c.db"
+    existing.write_bytes(b"not replaced")
+    tracking.create_sqlite_store(existing)
+    assert existing.read_bytes() == b"not replaced"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c.db", "cache"]   # no copy left behind
 
 
 @pytest.mark.slow

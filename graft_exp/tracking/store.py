@@ -4,10 +4,17 @@ file, a dead server, missing credentials: errors that say what to fix), store cr
 from __future__ import annotations
 
 import os
+import shutil
+import sqlite3
+import uuid
+from contextlib import closing
 from pathlib import Path
 
+import mlflow
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
+
+from graft_exp.cache import cache_dir
 
 # MLflow 3.x records an experiment's kind in this tag; the UI's experiment-kind selector writes it.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
@@ -91,6 +98,45 @@ def check_credentials(uri: str, experiment: str, timeout_s: float = 10.0) -> Non
                             "--read-only) or have EDIT granted on the experiment")
 
 
+def empty_store_template(folder: Path | None = None) -> Path:
+    """An empty SQLite store with MLflow's whole schema, built once per MLflow version into ``folder``
+    (default: the graft_exp cache) and copied for every new store: MLflow creates a store by running
+    each of its schema migrations, several seconds per store. The template holds no experiment, so a
+    copy creates its Default experiment when it is first opened, its artifact root where MLflow would
+    have put it then (./mlruns of that process)."""
+    folder = Path(folder or cache_dir("mlflow"))
+    template = folder / f"empty-{mlflow.__version__}.db"
+    if not template.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        building = folder / f".building-{os.getpid()}-{uuid.uuid4().hex[:8]}.db"
+        try:
+            MlflowClient(f"sqlite:///{building}").search_experiments()
+            with closing(sqlite3.connect(building)) as db, db:
+                db.execute("DELETE FROM experiments")
+            os.replace(building, template)   # atomic: concurrent builders each publish a whole file
+        finally:
+            building.unlink(missing_ok=True)
+    return template
+
+
+def create_sqlite_store(db: Path) -> None:
+    """A new SQLite store at ``db``, copied from ``empty_store_template``; never replaces an existing
+    file (a store another launcher created meanwhile is kept). Where the cache cannot be written,
+    MLflow creates the store itself on first use."""
+    try:
+        template = empty_store_template()
+    except OSError:
+        return
+    copy = db.parent / f".{db.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # a file of the umask's mode
+    try:
+        shutil.copyfile(template, copy)
+        os.link(copy, db)     # fails if db exists: no store is ever overwritten
+    except OSError:           # db appeared meanwhile, or no hard links here: MLflow's own creation
+        pass
+    finally:
+        copy.unlink(missing_ok=True)
+
+
 def ensure_store(uri: str, experiment: str) -> str:
     """Create (or migrate) the store and the experiment, from the launching process; return the
     experiment id.
@@ -101,6 +147,8 @@ def ensure_store(uri: str, experiment: str) -> str:
     check_store(uri)
     if uri.startswith(("http://", "https://")):
         check_credentials(uri, experiment)
+    elif uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
     try:
         client = MlflowClient(uri)   # a database store is created, or its missing tables migrated, here
         exp = client.get_experiment_by_name(experiment)
