@@ -8,7 +8,8 @@ temperature 0.6, top-p 0.95), each with both samplers and the same seed, interle
 load hits both alike. Prints generated tokens per CPU-second of this process per sampler (one thread:
 on an idle machine, per second; on a shared one the wall clock also counts other processes' turns), the
 ratio, and how many samples the two produced identically (same seed: they draw from one distribution with one random stream, so
-they differ only where float rounding tips a draw).
+they differ only where float rounding tips a draw). Both run the models as ``graft_exp.tiny.load`` gives them
+(GPT-2's GELU fused), so the ratio is the sampler's alone.
 
 Part 2 (the default job): ``python -m graft_exp`` as README's first command runs it (pair=tiny,
 method=graft, 30 steps with validation and the final evaluation), in three set-ups per repeat, alternating
