@@ -121,11 +121,11 @@ def empty_store_template(folder: Path | None = None) -> Path:
 
 def create_sqlite_store(db: Path) -> None:
     """A new SQLite store at ``db``, copied from ``empty_store_template``; never replaces an existing
-    file (a store another launcher created meanwhile is kept). Where the cache cannot be written,
-    MLflow creates the store itself on first use."""
+    file (a store another launcher created meanwhile is kept). Where the template cannot be built
+    (an unwritable cache), MLflow creates the store itself on first use, and reports what fails there."""
     try:
         template = empty_store_template()
-    except OSError:
+    except Exception:  # noqa: BLE001  (only a shortcut: MLflow's own creation is the real check)
         return
     copy = db.parent / f".{db.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"   # a file of the umask's mode
     try:
