@@ -12,10 +12,10 @@ a full Hydra compose; ``tests/test_sweep.py`` checks both paths give every sweep
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
