@@ -10,7 +10,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from graft_exp import scheduler
+from graft_exp import scheduler, tracking
 from graft_exp.launching import status
 from graft_exp.sweep.planning import Sweep, SweepJob
 
@@ -19,7 +19,8 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 def read_runs(uri: str) -> pd.DataFrame:
     """Runs of the store, without creating a SQLite file that does not exist yet."""
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+    db = tracking.sqlite_file(uri)
+    if db is not None and not db.exists():
         return pd.DataFrame(columns=status.RUN_COLUMNS)
     return status.fetch_runs(uri)
 

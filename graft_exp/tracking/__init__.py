@@ -48,6 +48,7 @@ from graft_exp.tracking.store import (
     empty_store_template,
     ensure_store,
     experiment_name,
+    sqlite_file,
     ui_link,
 )
 
@@ -85,6 +86,7 @@ __all__ = [
     "run_key",
     "run_params",
     "source_tags",
+    "sqlite_file",
     "stored_log_peers",
     "stored_log_run",
     "ui_link",

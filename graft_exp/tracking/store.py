@@ -28,11 +28,16 @@ def experiment_name(cfg: DictConfig) -> str:
     return f"graft/{cfg.study}"
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI; None for any other store."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
 def check_store(uri: str, timeout_s: float = 10.0) -> None:
     """Fail fast, with the fix in the message, when ``uri`` cannot take runs: a SQLite file in a
     missing or read-only place, or a tracking server that does not answer its health check."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri.removeprefix("sqlite:///"))
+    db = sqlite_file(uri)
+    if db is not None:
         place = db if db.exists() else db.parent
         if not place.exists() or not os.access(place, os.W_OK):
             raise TrackingError(f"cannot write the MLflow store {uri}: {place} is missing or not "
@@ -145,10 +150,11 @@ def ensure_store(uri: str, experiment: str) -> str:
     starts. An unreachable server or unwritable store fails here, before anything is launched.
     """
     check_store(uri)
-    if uri.startswith(("http://", "https://")):
+    db = sqlite_file(uri)
+    if db is not None and not db.exists():
+        create_sqlite_store(db)
+    elif uri.startswith(("http://", "https://")):
         check_credentials(uri, experiment)
-    elif uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        create_sqlite_store(Path(uri.removeprefix("sqlite:///")))
     try:
         client = MlflowClient(uri)   # a database store is created, or its missing tables migrated, here
         exp = client.get_experiment_by_name(experiment)
