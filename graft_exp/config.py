@@ -10,13 +10,14 @@ and raises ``ConfigError`` naming the fix.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from graft_exp import methods, scheduler
@@ -257,6 +258,38 @@ def _sampling(node: DictConfig, prefix: str) -> None:
         raise ConfigError(f"{prefix}.top_p={node.top_p} must be in (0, 1] (1.0: no nucleus filtering)")
 
 
+def validate_finite(cfg: DictConfig) -> None:
+    """Every number of the settings is finite: ``nan`` and ``inf`` pass Hydra's float type and some range
+    checks (``nan < 0`` is false), then poison a loss or a sampler mid-run."""
+    def walk(node, prefix: str):
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            where = f"{prefix}.{key}" if isinstance(node, dict) else f"{prefix}[{key}]"
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{where}={value} must be a finite number")
+            walk(value, where)
+
+    for group in ("train", "eval", "method", "backend", "pair"):
+        walk(OmegaConf.to_container(cfg[group], resolve=True), group)
+
+
+def validate_lengths(cfg: DictConfig) -> None:
+    """A prompt and its response fit in every member model: ``train.max_prompt_length +
+    train.max_response_length`` positions at most (``max_positions`` of conf/catalog/models.yaml). Beyond
+    them a learned position table (GPT-2) fails mid-run and rotary models run outside what they saw."""
+    train = cfg.train
+    longest = int(train.max_prompt_length) + int(train.max_response_length)
+    for role in roles(cfg.pair):
+        key = cfg.pair[role]
+        positions = cfg.models[key].get("max_positions")
+        if positions is not None and longest > positions:
+            raise ConfigError(
+                f"train.max_prompt_length={train.max_prompt_length} + train.max_response_length="
+                f"{train.max_response_length} = {longest} tokens, but {key} holds {positions} positions "
+                f"(models.{key}.max_positions): lower train.max_response_length to at most "
+                f"{max(positions - int(train.max_prompt_length), 0)} (or train.max_prompt_length)")
+
+
 def validate_train_eval(cfg: DictConfig) -> None:
     """The domains of ``train.*`` and ``eval.*``: counts >= 1, rates > 0, probabilities in their range,
     batch sizes that divide into minibatches."""
@@ -455,15 +488,39 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     if not str(cfg.study).strip():
         raise ConfigError("study is empty; name the study (MLflow experiment graft/<study>), e.g. study=default")
+    validate_finite(cfg)
     validate_train_eval(cfg)
+    validate_lengths(cfg)
     validate_method(cfg)
     validate_backend(cfg)
 
 
+def available_devices(cfg: DictConfig) -> None:
+    """The devices a job that trains in this process asks for exist here: ``backend.device=cuda``, and
+    ``backend=verl`` under ``cluster=local`` (its Ray starts on this machine unless ``backend.ray_address``
+    names a cluster) needs ``pair.gpus`` GPUs. Jobs submitted elsewhere (Slurm) are checked where they run."""
+    backend = cfg.backend
+    wants_cuda = backend.name == "local" and backend.device == "cuda"
+    local_verl = backend.name == "verl" and cfg.cluster.name == "local" and not backend.ray_address
+    if not (wants_cuda or local_verl):
+        return
+    import torch   # only here: most launches never ask, and torch takes seconds to import
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if wants_cuda and not found:
+        raise ConfigError("backend.device=cuda but this machine has no CUDA GPU (torch.cuda.is_available() "
+                          "is False): set backend.device=auto (or cpu), or run on a GPU machine")
+    if local_verl and found < cfg.pair.gpus:
+        raise ConfigError(f"backend=verl with cluster=local trains here, and pair.gpus={cfg.pair.gpus} but this "
+                          f"machine has {found} CUDA GPU(s): submit with cluster=slurm (python -m graft_exp -m "
+                          "cluster=slurm ...), or set backend.ray_address to a Ray cluster with the GPUs")
+
+
 def validate_environment(cfg: DictConfig) -> None:
-    """What a valid config needs of the machine it runs on: the backend's packages, its prepared data,
-    a writable checkpoint root. Reads only; nothing is created."""
+    """What a valid config needs of the machine it runs on: the backend's packages, its devices, its
+    prepared data, a writable checkpoint root. Reads only; nothing is created."""
     backend_installed(cfg.backend.name)
+    available_devices(cfg)
     prepared_data(cfg)
     validate_checkpoint_root(str(cfg.checkpoint_root))
     try:

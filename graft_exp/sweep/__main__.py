@@ -37,6 +37,7 @@ from pathlib import Path
 import joblib
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
+from rich.markup import escape
 
 from graft_exp import tracking
 from graft_exp.config import ConfigError, validate_job
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     try:
         sweep = plan(args.sweep, args.overrides)
-    except (SweepError, FileNotFoundError) as err:
-        console.print(f"[red]error:[/] {err}")
+    except SweepError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         return 2
     except (HydraException, OmegaConfBaseException) as err:   # a wrong type or unknown key or option
         console.print(f"[red]invalid configuration, nothing launched:[/] {' '.join(str(err).split())}",

@@ -68,10 +68,54 @@ class Sweep:
     uri: str
 
 
+_FORMAT = "see `python -m graft_exp.sweep --help` or sweeps/main.yaml"
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _check_grid(path: Path, i: int, grid) -> None:
+    """One entry of ``runs``: Hydra override keys to a value or a list of values, and an optional
+    ``after`` (a mapping of such keys, or a list of them)."""
+    where = f"{path}: runs[{i}]"
+    if not isinstance(grid, dict) or not grid:
+        raise SweepError(f"{where} is {grid!r}, not a grid of overrides ({{key: value or [values]}}); {_FORMAT}")
+    for key, value in grid.items():
+        if key == "after":
+            for change in _as_list(value):
+                if not isinstance(change, dict) or not all(_scalar(v) for v in change.values()):
+                    raise SweepError(f"{where}.after is {value!r}: name the needed jobs' overrides as a mapping "
+                                     f"(after: {{method: grpo_n8}}) or a list of them; {_FORMAT}")
+        elif not isinstance(key, str) or not all(_scalar(v) for v in _as_list(value)) or value == []:
+            raise SweepError(f"{where}.{key} is {value!r}: a grid key takes a value or a non-empty list of "
+                             f"values; {_FORMAT}")
+
+
 def load(path: Path) -> dict:
-    spec = yaml.safe_load(path.read_text())
+    """The sweep file at ``path``, checked: readable YAML, a mapping of ``study`` (a name) and ``runs``
+    (a non-empty list of grids). Every problem is a ``SweepError`` naming the file and the fix. Other
+    top-level keys are left to the file (sweeps/tiny.yaml keeps a YAML anchor there)."""
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise SweepError(f"cannot read the sweep file {path} ({err.strerror}); give the path of a sweep file, "
+                         "e.g. sweeps/main.yaml") from None
+    except UnicodeDecodeError:
+        raise SweepError(f"{path} is not a text file; give the path of a sweep file, e.g. sweeps/main.yaml") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise SweepError(f"{path} is not valid YAML ({problem}{at}); fix the file ({_FORMAT})") from None
     if not isinstance(spec, dict) or "study" not in spec or "runs" not in spec:
-        raise SweepError(f"{path}: a sweep file needs `study:` and `runs:` (a list of override grids)")
+        raise SweepError(f"{path}: a sweep file needs `study:` and `runs:` (a list of override grids); {_FORMAT}")
+    if not _scalar(spec["study"]) or not str(spec["study"] or "").strip():
+        raise SweepError(f"{path}: study is {spec['study']!r}; name the MLflow study (experiment graft/<study>)")
+    if not isinstance(spec["runs"], list) or not spec["runs"]:
+        raise SweepError(f"{path}: runs is {spec['runs']!r}, not a non-empty list of override grids; {_FORMAT}")
+    for i, grid in enumerate(spec["runs"]):
+        _check_grid(path, i, grid)
     return spec
 
 

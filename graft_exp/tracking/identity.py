@@ -16,6 +16,9 @@ from graft_exp import scheduler
 
 # Config sections that say where or how a job runs, not what it computes.
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")
+#: The catalog fields (conf/catalog/models.yaml) that say which model is trained; the others describe it
+#: (sizes, positions) for checks and plans, and adding one must not change every run key.
+CATALOG_IDENTITY_FIELDS = ("hf_id", "display")
 
 
 def stable_hash(obj) -> str:
@@ -27,7 +30,11 @@ def stable_hash(obj) -> str:
 def identity(cfg: DictConfig) -> dict:
     """The resolved config minus the keys that do not change what a job computes."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    return {k: v for k, v in resolved.items() if k not in NON_IDENTITY_KEYS}
+    ident = {k: v for k, v in resolved.items() if k not in NON_IDENTITY_KEYS}
+    if "models" in ident:
+        ident["models"] = {key: {f: entry[f] for f in CATALOG_IDENTITY_FIELDS if f in entry}
+                           for key, entry in ident["models"].items()}
+    return ident
 
 
 def run_key(cfg: DictConfig) -> str:

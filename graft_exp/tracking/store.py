@@ -3,6 +3,7 @@ file, a dead server, missing credentials: errors that say what to fix), store cr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sqlite3
@@ -24,6 +25,67 @@ class TrackingError(RuntimeError):
     """The tracking store cannot be used; the message says what to check."""
 
 
+def use_installed_postgresql_driver() -> None:
+    """Let ``postgresql://`` URIs (as PostgreSQL writes them) use the driver the ``server`` extra installs.
+    SQLAlchemy 2.1 reads a driverless ``postgresql://`` as psycopg 3; the extra installs psycopg2, which
+    SQLAlchemy then uses only when the URI says ``postgresql+psycopg2://``. Where psycopg 3 is installed,
+    SQLAlchemy's own default stays."""
+    if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+        from sqlalchemy.dialects import registry
+
+        registry.register("postgresql", "sqlalchemy.dialects.postgresql.psycopg2", "PGDialect_psycopg2")
+
+
+use_installed_postgresql_driver()
+
+
+def _check_sqlite_is_mlflow(uri: str, db: Path) -> None:
+    """An existing, non-empty file at a ``sqlite:///`` URI must be an MLflow store: MLflow would otherwise
+    add its tables to someone else's database, or fail on a file that is no database at all."""
+    if not db.is_file() or db.stat().st_size == 0:
+        return
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as err:
+        raise TrackingError(f"tracking.uri={uri}: {db} is not an MLflow store ({err}); point tracking.uri at "
+                            "an MLflow store, or at a new file to create one") from None
+    if tables and not {"experiments", "runs", "alembic_version"} <= tables:
+        raise TrackingError(f"tracking.uri={uri}: {db} is an SQLite database without MLflow's tables "
+                            f"({', '.join(sorted(tables)[:5])}...); point tracking.uri at an MLflow store, or at "
+                            "a new file to create one")
+
+
+def _check_database(uri: str, timeout_s: float) -> None:
+    """A database URI MLflow would open itself (``postgresql://...``, ``mysql://...``): its SQLAlchemy
+    driver is installed and the database answers."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+
+    try:
+        url = make_url(uri)
+        shown = url.render_as_string(hide_password=True)
+        engine = create_engine(url, connect_args={"connect_timeout": int(timeout_s)} if
+                               url.get_backend_name() == "postgresql" else {})
+    except ModuleNotFoundError as err:
+        raise TrackingError(f"tracking.uri={uri.split('://')[0]}://...: SQLAlchemy's driver for it, {err.name}, is "
+                            "not installed: install it (for PostgreSQL: pip install -e '.[server]', psycopg2), or "
+                            "name an installed driver in the URI (postgresql+psycopg2://...)") from None
+    except (ArgumentError, NoSuchModuleError) as err:
+        raise TrackingError(f"tracking.uri is not a database URI MLflow can open ({err}); use sqlite:///FILE, "
+                            "http://HOST:PORT (a tracking server) or postgresql://USER@HOST:PORT/DB") from None
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except SQLAlchemyError as err:
+        first = str(getattr(err, "orig", err)).strip().splitlines()[0]
+        raise TrackingError(f"the tracking database {shown} does not answer ({first}): start it, or fix "
+                            "tracking.uri (or MLFLOW_TRACKING_URI), then launch again") from None
+    finally:
+        engine.dispose()
+
+
 def experiment_name(cfg: DictConfig) -> str:
     return f"graft/{cfg.study}"
 
@@ -35,13 +97,17 @@ def sqlite_file(uri: str) -> Path | None:
 
 def check_store(uri: str, timeout_s: float = 10.0) -> None:
     """Fail fast, with the fix in the message, when ``uri`` cannot take runs: a SQLite file in a
-    missing or read-only place, or a tracking server that does not answer its health check."""
+    missing or read-only place or one that is not an MLflow store, a database whose driver is missing or
+    that does not answer, or a tracking server that does not answer its health check."""
     db = sqlite_file(uri)
     if db is not None:
         place = db if db.exists() else db.parent
         if not place.exists() or not os.access(place, os.W_OK):
             raise TrackingError(f"cannot write the MLflow store {uri}: {place} is missing or not "
                                 "writable; set tracking.uri to a writable location")
+        _check_sqlite_is_mlflow(uri, db)
+    elif "://" in uri and not uri.startswith(("http://", "https://", "file://", "databricks")):
+        _check_database(uri, timeout_s)
     elif uri.startswith(("http://", "https://")):
         import requests
 
