@@ -162,15 +162,33 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def input_problem(args) -> str | None:
+    """What is wrong with the files and folders named on the command line, before anything is read or
+    written: ``--out`` must be (or become) a folder; ``readme`` reads an existing README and ``--out``."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file; give a folder for the outputs (it is created if missing)"
+    if args.command == "readme":
+        if not args.readme.is_file():
+            return f"{args.readme} is not a file; give the README to update, e.g. README.md"
+        if not out.is_dir():
+            return f"--out {out} does not exist; run `python -m analysis tables --out {out}` (and figures) first"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.tracking_uri_given = args.tracking_uri is not None
     args.tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
+    problem = input_problem(args)
+    if problem:
+        console.print(f"[red]error:[/red] {problem}", soft_wrap=True)
+        return 2
     try:
         args.handler(args)
     except StoreUnavailable as error:
-        console.print(f"[red]error:[/red] {error} (tracking URI: {args.tracking_uri})")
+        console.print(f"[red]error:[/red] {error} (tracking URI: {args.tracking_uri})", soft_wrap=True)
         return 2
     except readme.SectionError as error:
         console.print(f"[red]error:[/red] {error}")

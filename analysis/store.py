@@ -23,6 +23,7 @@ from rich.progress import Progress
 
 from analysis import catalog
 from graft_exp.schema import ENV_TAGS
+from graft_exp.tracking import TrackingError, check_store
 
 #: Score metrics (logged as fractions or percent; see ``RunStore.score_scale``).
 HISTORY_PREFIXES = ("test/", "val/")
@@ -224,6 +225,10 @@ def load_store(tracking_uri: str, experiments: list[str] | None = None, progress
     if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
         # MLflow would silently create an empty database here; a missing file is a wrong path.
         raise StoreUnavailable(f"no SQLite database at {tracking_uri[len('sqlite:///'):]}")
+    try:
+        check_store(tracking_uri, writing=False)
+    except TrackingError as err:
+        raise StoreUnavailable(str(err)) from None
     client = MlflowClient(tracking_uri=tracking_uri)
     selected = graft_experiments(client, experiments)
     previous_uri = mlflow.get_tracking_uri()

@@ -28,6 +28,8 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw",)
 LOCAL_DEVICES = ("auto", "cpu", "cuda")
 LOCAL_SAMPLERS = ("static_cache", "loop")   # graft_exp/backends/local_policy.py
+#: The columns of ``python -m graft_exp.prepare``'s Parquet files that verl's dataset and reward read.
+PREPARED_COLUMNS = {"data_source", "prompt", "reward_model", "extra_info"}
 #: The member keys of a pair (A, B) or group (A, B, C, ...): each names a model of conf/catalog/models.yaml.
 MEMBER_KEYS = ("A", "B", "C", "D", "E", "F")
 
@@ -439,23 +441,42 @@ def prepared_data(cfg: DictConfig) -> None:
         raise ConfigError(f"backend.data_dir={cfg.backend.data_dir} lacks {', '.join(missing)}: run "
                           "`python -m graft_exp.prepare` first, or point backend.data_dir "
                           "(GRAFT_DATA_DIR) at its output")
+    import pyarrow.parquet as pq
+
+    for name in ("math/train.parquet", *(f"{b}/test.parquet" for b in cfg.pair.benchmarks)):
+        try:   # the footer only: a truncated or foreign file fails here, not in verl's dataloader mid-job
+            columns = set(pq.read_schema(data / name).names)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"backend.data_dir: {data / name} is not a readable Parquet file ({err}); run "
+                              "`python -m graft_exp.prepare` again") from None
+        if not PREPARED_COLUMNS <= columns:
+            raise ConfigError(f"backend.data_dir: {data / name} lacks the columns "
+                              f"{', '.join(sorted(PREPARED_COLUMNS - columns))} that verl reads; it was not "
+                              "written by `python -m graft_exp.prepare`: run it again")
 
 
-def validate_checkpoint_root(root: str) -> None:
-    """The checkpoint root is (or can become) a writable directory; nothing is created here."""
-    path = Path(root).expanduser().absolute()
-    existing = path
+def folder_problem(folder: str | Path) -> str | None:
+    """Why ``folder`` cannot be (or become) a directory this process writes in, or None; creates nothing.
+    Every folder a user names (checkpoint root, prepare's data and model folders, the server's folder)."""
+    existing = Path(folder).expanduser().absolute()
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"checkpoint_root={root}: {existing} is a file, not a directory; "
-                          "set checkpoint_root (or GRAFT_CHECKPOINT_ROOT) to a directory")
+        return f"{existing} is a file, not a directory"
     try:   # os.access says yes to root everywhere, also on read-only mounts: try it
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
-        raise ConfigError(f"checkpoint_root={root}: cannot write in {existing} ({err.strerror}); set "
-                          "checkpoint_root (or GRAFT_CHECKPOINT_ROOT) to a directory you can write") from None
+        return f"cannot write in {existing} ({err.strerror})"
+    return None
+
+
+def validate_checkpoint_root(root: str) -> None:
+    """The checkpoint root is (or can become) a writable directory; nothing is created here."""
+    problem = folder_problem(root)
+    if problem:
+        raise ConfigError(f"checkpoint_root={root}: {problem}; set checkpoint_root (or GRAFT_CHECKPOINT_ROOT) "
+                          "to a directory you can write")
 
 
 def validate(cfg: DictConfig) -> None:

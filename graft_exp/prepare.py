@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
+from graft_exp.config import folder_problem
 from graft_exp.extras import MissingExtra, require
 from graft_exp.prompts import format_prompt
 from graft_exp.reward import last_boxed
@@ -211,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         require("python -m graft_exp.prepare")
+        for flag, folder in (("--data-dir", args.data_dir), ("--model-dir", args.model_dir)):
+            problem = folder_problem(folder)
+            if problem and not (flag == "--model-dir" and args.no_models):   # before hours of downloads
+                raise PrepareError(f"{flag} {folder}: {problem}; give a folder you can write")
         for key in [s for s in args.sets.split(",") if s]:
             if key not in SOURCES:
                 raise PrepareError(f"unknown data set {key!r}; choose from {', '.join(SOURCES)}")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import requests
 
+from graft_exp.config import folder_problem
 from graft_exp.extras import MissingExtra, require
 
 ADMIN = "admin"
@@ -528,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layout = Layout(args.dir.resolve())
     try:
+        problem = folder_problem(args.dir) if args.command == "start" or args.dir.exists() else None
+        if problem:
+            raise ServerError(f"--dir {args.dir}: {problem}; give the server's folder (start creates it)")
         if args.command in ("start", "add-user"):   # both talk to PostgreSQL
             require("python -m graft_exp.server")
         if args.command == "start":

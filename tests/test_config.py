@@ -3,6 +3,7 @@ with a message that names the fix."""
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ConfigKeyError
@@ -25,13 +26,34 @@ def test_every_design_method_has_a_config():
 
 @pytest.fixture(scope="module")
 def prepared_data_dir(tmp_path_factory) -> str:
-    """Where ``python -m graft_exp.prepare`` would have written MATH and the benchmarks (the files'
-    presence is what validation checks)."""
+    """Where ``python -m graft_exp.prepare`` would have written MATH and the benchmarks: one row each, in
+    prepare's own row format (validation reads the files' schema)."""
+    from graft_exp.prepare import SOURCES, verl_rows
+
     root = tmp_path_factory.mktemp("data")
-    for name in ("math/train", "math500/test", "aime2024/test", "aime2025/test", "amc23/test", "minerva/test"):
-        (root / f"{name}.parquet").parent.mkdir(parents=True, exist_ok=True)
-        (root / f"{name}.parquet").touch()
+    for key in ("math", "math500", "aime2024", "aime2025", "amc23", "minerva"):
+        path = root / key / f"{SOURCES[key].output}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        source = SOURCES[key]
+        gold = "The sum is $\\boxed{2}$." if source.gold == "boxed" else "2"
+        verl_rows([{source.question: "What is $1+1$?", source.answer: gold}], source).to_parquet(path)
     return str(root)
+
+
+def test_prepared_files_that_are_not_prepare_output_are_refused(compose_cfg, prepared_data_dir, tmp_path):
+    """A truncated Parquet file, or one without the columns verl reads, fails before the job starts."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(prepared_data_dir, data)
+    train = data / "math" / "train.parquet"
+    cfg = compose_cfg("pair=pair1", "backend=verl", f"backend.data_dir={data}")
+    train.write_bytes(train.read_bytes()[:40])
+    with pytest.raises(ConfigError, match="math/train.parquet is not a readable Parquet file.*prepare` again"):
+        prepared_data(cfg)
+    pd.DataFrame({"question": ["1+1"], "answer": ["2"]}).to_parquet(train)
+    with pytest.raises(ConfigError, match="lacks the columns data_source, extra_info, prompt, reward_model"):
+        prepared_data(cfg)
 
 
 @pytest.mark.parametrize("pair", PAIRS)

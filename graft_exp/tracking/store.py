@@ -95,14 +95,15 @@ def sqlite_file(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
 
-def check_store(uri: str, timeout_s: float = 10.0) -> None:
+def check_store(uri: str, timeout_s: float = 10.0, writing: bool = True) -> None:
     """Fail fast, with the fix in the message, when ``uri`` cannot take runs: a SQLite file in a
     missing or read-only place or one that is not an MLflow store, a database whose driver is missing or
-    that does not answer, or a tracking server that does not answer its health check."""
+    that does not answer, or a tracking server that does not answer its health check. ``writing=False``
+    (analysis) leaves out the write access."""
     db = sqlite_file(uri)
     if db is not None:
         place = db if db.exists() else db.parent
-        if not place.exists() or not os.access(place, os.W_OK):
+        if writing and (not place.exists() or not os.access(place, os.W_OK)):
             raise TrackingError(f"cannot write the MLflow store {uri}: {place} is missing or not "
                                 "writable; set tracking.uri to a writable location")
         _check_sqlite_is_mlflow(uri, db)
