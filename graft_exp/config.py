@@ -525,7 +525,7 @@ def available_devices(cfg: DictConfig) -> None:
     local_verl = backend.name == "verl" and cfg.cluster.name == "local" and not backend.ray_address
     if not (wants_cuda or local_verl):
         return
-    import torch   # only here: most launches never ask, and torch takes seconds to import
+    import torch  # only here: most launches never ask, and torch takes seconds to import
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if wants_cuda and not found:
