@@ -14,6 +14,7 @@ from graft_exp import driver, tracking
 from graft_exp.backends import backend_factory
 from graft_exp.config import ConfigError, register_schemas, validate_job
 from graft_exp.driver import CheckpointError, check_newest_checkpoint
+from graft_exp.launching import summary
 
 log = logging.getLogger("graft_exp")
 register_schemas()
@@ -57,7 +58,8 @@ def main(cfg: DictConfig) -> None:
     # through SystemExit (submitit checkpoints, requeues and exits): the runs stay RUNNING, and the requeued
     # job resumes them by their run_key.
     driver.fit(cfg, job, backend_factory(cfg.backend.name))
-    if HydraConfig.get().mode == RunMode.RUN:   # a multirun prints it once, at its end
+    if HydraConfig.get().mode == RunMode.RUN:   # a multirun prints one table of its jobs, and the link, at its end
+        summary.print_job(cfg.tracking.uri, job.run_id, f"{cfg.pair.name} / {cfg.method.name} / seed {cfg.seed}")
         log.info(tracking.compare_hint(cfg.tracking.uri, job.client.get_run(job.run_id).info.experiment_id))
 
 

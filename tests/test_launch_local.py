@@ -2,6 +2,7 @@
 Hydra's joblib launcher, one per core, into one SQLite store created before they start; jobs that
 must not overlap (a graft_stored job after the GRPO n=8 job whose log it replays) run in order."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,10 @@ def test_jobs_of_a_multirun_overlap_and_finish(tmp_path, store_template):
     assert list(jobs["status"]) == ["FINISHED", "FINISHED"], output[-4000:]
     first, second = jobs.to_dict("records")
     assert second["start_time"] < first["end_time"], "the second job started only after the first ended"
+    # It ends with one table of its jobs: a row per (job, model), the swept override as the job's name.
+    assert "multirun of 2 jobs: results" in output
+    assert re.search(r"#0 method=graft +│ finished +│ A tiny-char-llama", output), output[-4000:]
+    assert re.search(r"#1 method=sgt +│ finished +│ A tiny-char-llama", output), output[-4000:]
     # The jobs share the cores, one each: each job's models take turns on its core.
     job_logs = [p.read_text() for p in (tmp_path / "multirun").glob("*/__main__.log")]
     assert len(job_logs) == 2 and all("the models take turns" in text for text in job_logs), job_logs
@@ -58,3 +63,35 @@ def test_a_stored_trajectory_job_runs_after_the_log_it_replays(tmp_path, store_t
     assert list(jobs["status"]) == ["FINISHED", "FINISHED"], output[-4000:]
     grpo, stored = jobs.to_dict("records")
     assert stored["start_time"] >= grpo["end_time"]
+
+
+@pytest.mark.slow
+def test_a_single_run_ends_with_what_it_found_then_the_link(tmp_path, store_template):
+    """``python -m graft_exp``: the last lines are each model's test score per benchmark and average (the
+    mean over its evaluation runs, as MLflow holds it), its selected step and GPU-hours, then the UI link."""
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = subprocess.run([sys.executable, "-m", "graft_exp", f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'run'}",
+                           f"checkpoint_root={tmp_path / 'ckpt'}", *TINY, "eval.runs=2"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=900, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert "compare the runs in the MLflow UI" in lines[-1]
+    assert lines[-2].startswith("job cost:") and "GPU-hours" in lines[-2]
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("tiny / graft / seed 0: test %")):]
+    header = [c.strip() for c in next(line for line in lines if "model" in line and "┃" in line).split("┃")[1:-1]]
+    assert header == ["model", "add", "mixed", "mul", "sub", "avg", "best step", "GPU-h"]
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in lines if line.startswith("│")}
+    client = MlflowClient(uri)
+    children = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  "tags.`graft.role` = 'A'")
+    model = children[0]
+    scores = [m.value for m in client.get_metric_history(model.info.run_id, "test/avg")]
+    assert len(scores) == 2
+    shown = rows["A tiny-char-llama"]
+    assert shown[4] == f"{100 * sum(scores) / 2:.1f}"
+    assert shown[5] == model.data.tags["graft.best_step"]
+    assert shown[6] == f"{model.data.metrics['cost/gpu_hours']:.4f}"
+    assert "B tiny-bpe-gpt2" in rows

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import scheduler, tracking
 from graft_exp.config import ConfigError, roles, validate_job
-from graft_exp.launching import status
+from graft_exp.launching import status, summary
 
 log = logging.getLogger("graft_exp.launch")
 SWEEP_ENV = "GRAFT_SWEEP_LAUNCH"   # set by python -m graft_exp.sweep in the multiruns it starts
@@ -76,6 +76,12 @@ def multirun_jobs(config: DictConfig) -> list[PlannedJob] | None:
         with_hydra_removed = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         jobs.append(PlannedJob(len(jobs), list(overrides), with_hydra_removed))
     return jobs
+
+
+def varying_overrides(jobs: list[PlannedJob]) -> dict[int, list[str]]:
+    """Each job's overrides that not every job of the multirun shares (what the sweep varies)."""
+    shared = set.intersection(*(set(job.overrides) for job in jobs)) if jobs else set()
+    return {job.index: [o for o in job.overrides if o not in shared] for job in jobs}
 
 
 def missing_stored_logs(jobs: list[PlannedJob], parallel: bool) -> list[str]:
@@ -207,6 +213,7 @@ class FailureMonitor(threading.Thread):
 # the callbacks into every job, and a thread cannot be pickled.
 _monitors: list[FailureMonitor] = []
 _experiments: dict[tuple[str, str], str] = {}   # (store, experiment name) -> id, for the hint at the end
+_planned: list[PlannedJob] = []                  # this multirun's jobs, for the results table at the end
 
 
 class LaunchCallback(Callback):
@@ -261,6 +268,7 @@ class LaunchCallback(Callback):
                 monitor = FailureMonitor(jobs, float(config.cluster.poll_s))
                 monitor.start()
                 _monitors.append(monitor)
+        _planned[:] = jobs
         log.info("pre-launch checks passed: %d jobs, store(s) %s", len(jobs),
                  ", ".join(sorted({uri for uri, _ in stores})))
 
@@ -269,6 +277,13 @@ class LaunchCallback(Callback):
             monitor = _monitors.pop()
             monitor.stop.set()
             monitor.poll()   # the last word on every job, before Hydra's own summary
+        if not os.environ.get(SWEEP_ENV):   # python -m graft_exp.sweep prints one table for all its multiruns
+            swept = varying_overrides(_planned)
+            for uri in sorted({job.cfg.tracking.uri for job in _planned}):
+                labels = [(f"#{job.index} {' '.join(swept[job.index]) or 'defaults'}", job.key)
+                          for job in _planned if job.cfg.tracking.uri == uri]
+                summary.print_jobs(uri, labels, f"multirun of {len(_planned)} jobs: results")
+        _planned.clear()
         for (uri, _), experiment_id in sorted(_experiments.items()):
             log.info(tracking.compare_hint(uri, experiment_id))
         _experiments.clear()

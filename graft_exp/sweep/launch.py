@@ -15,7 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from graft_exp import tracking
-from graft_exp.launching import status
+from graft_exp.launching import status, summary
 from graft_exp.launching.callbacks import SWEEP_ENV
 from graft_exp.launching.jobs import CONF_DIR, Job
 from graft_exp.sweep.planning import Sweep, SweepJob
@@ -179,6 +179,8 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
         time.sleep(poll_s)
     snap = snapshot(sweep, manifest, scheduler_too=True)
     report(sweep, snap, with_logs=True)
+    summary.print_jobs(sweep.uri, [(f"#{sj.index} {sj.job.label}", sj.key) for sj in sweep.jobs],
+                       f"{sweep.path} - study {sweep.study}: results")
     never = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
     for sj in never:
         console.print(f"  [yellow]not launched[/] #{sj.index} {sj.job.label}: what it needs did not finish")

@@ -1,0 +1,51 @@
+"""The end-of-job summary (graft_exp.launching.summary) read back from a real MLflow store: each model's
+final test score per benchmark is the mean over its evaluation runs, the average, the selected step and
+the GPU-hours are the recorded ones, and a multirun's table has a row per (job, model), a missing job
+included. The terminal output of a real single run and a real 2-job multirun is checked in
+tests/test_launch_local.py."""
+
+from __future__ import annotations
+
+import re
+
+from analysis.synthetic import JobSpec, ModelSpec, write_jobs
+from graft_exp.launching import summary
+
+
+def _store(tmp_path) -> str:
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    graft = JobSpec("graft", "pair1", 0, metrics={"cost/gpu_hours": {1: 0.5, 2: 1.25}}, models=[
+        ModelSpec("smollm3-3b-base", "A", peer="qwen3-1.7b-base", best_step=2,
+                  test={"math500": [0.5, 0.7], "aime2024": [0.1, 0.2], "avg": [0.3, 0.45]},
+                  metrics={"cost/gpu_hours": {1: 0.25, 2: 0.75}}),
+        ModelSpec("qwen3-1.7b-base", "B", peer="smollm3-3b-base", best_step=1,
+                  test={"math500": [0.6, 0.6], "aime2024": [0.0, 0.1], "avg": [0.3, 0.35]},
+                  metrics={"cost/gpu_hours": {1: 0.25, 2: 0.5}}),
+    ])
+    write_jobs(uri, [graft], tmp_path / "artifacts")
+    return uri
+
+
+def test_a_jobs_table_has_each_models_mean_scores_step_and_cost(tmp_path, capsys):
+    uri = _store(tmp_path)
+    run = summary.tracking.find_run(summary.MlflowClient(uri), "main-graft-pair1-0")
+    summary.print_job(uri, run.info.run_id, "pair1 / graft / seed 0")
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.splitlines() if line.startswith("│")}
+    # Columns: aime2024, math500, avg, best step, GPU-h (benchmarks in the order MLflow lists them).
+    assert rows["A smollm3-3b-base"] == ["15.0", "60.0", "37.5", "2", "0.7500"]
+    assert rows["B qwen3-1.7b-base"] == ["5.0", "60.0", "32.5", "1", "0.5000"]
+    assert "job cost: 1.2 GPU-hours" in out
+
+
+def test_a_multiruns_table_lists_every_job_and_says_which_are_missing(tmp_path, capsys):
+    uri = _store(tmp_path)
+    summary.print_jobs(uri, [("#0 method=graft", "main-graft-pair1-0"), ("#1 method=sgt", "no-such-key")],
+                       "multirun of 2 jobs: results")
+    out = capsys.readouterr().out
+    assert "multirun of 2 jobs: results" in out
+    lines = [re.sub(r"\s+", " ", line) for line in out.splitlines() if line.startswith("│")]
+    assert lines[0] == "│ #0 method=graft │ finished │ A smollm3-3b-base │ 37.5 │ 2 │ 0.7500 │ 1.2 │"
+    assert lines[1] == "│ │ │ B qwen3-1.7b-base │ 32.5 │ 1 │ 0.5000 │ │"
+    assert lines[2] == "│ #1 method=sgt │ missing │ - │ - │ - │ - │ - │"
