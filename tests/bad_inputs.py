@@ -23,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))   # as a script: this checkout's graft_exp, whatever is installed
 
 
+SWEEP_TEXT = "study: default\nruns:\n  - {method: [grpo_n8, graft], seed: 0}\n"
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -30,8 +33,15 @@ class Case:
     expect: str                       # a piece of the message the user must see
     hide: tuple[str, ...] = ()        # packages the process must not find (a meta-path blocker)
     env: dict = field(default_factory=dict)
-    sweep: bool = False               # python -m graft_exp.sweep SWEEP.yaml ARGS
+    sweep: bool = False               # with module graft_exp.sweep: a valid sweep.yaml, then ARGS
     corrupt_checkpoint: bool = False  # leave a corrupt checkpoint for the run key of ``args``
+    module: str = "graft_exp"         # the entry point: graft_exp, graft_exp.sweep, analysis, ...
+    files: dict = field(default_factory=dict)   # name -> text written into the case's directory first
+    without_gpu: bool = False         # a case about a GPU this machine lacks: skipped where one exists
+
+    @property
+    def program(self) -> str:
+        return f"python -m {self.module}" + (" sweep.yaml" if self.sweep else "")
 
 
 CASES = [
@@ -78,12 +88,40 @@ CASES = [
     Case("replayed log of another data order", ("method=graft_stored",), "was written in another data order"),
     Case("multirun with one bad job", ("-m", "train.max_steps=2,0"),
          "train.max_steps=0): train.max_steps=0 must be an integer >= 1"),
-    Case("sweep with a bad job", ("train.top_p=0",), "train.top_p=0.0 must be in (0, 1]", sweep=True),
+    Case("sweep with a bad job", ("train.top_p=0",), "train.top_p=0.0 must be in (0, 1]", sweep=True,
+         module="graft_exp.sweep"),
     Case("cores per job not a number", (), "GRAFT_JOB_CORES='two' is not a number of cores",
          env={"GRAFT_JOB_CORES": "two"}),
+    # Values a range check would accept but a run cannot honour.
+    Case("not a number where a range check passes", ("method.adv_eps=nan",),
+         "method.adv_eps=nan must be a finite number"),
+    Case("an infinite gradient clip", ("train.grad_clip=inf",), "train.grad_clip=inf must be a finite number"),
+    Case("prompt + response beyond the model's positions", ("train.max_response_length=100",),
+         "= 228 tokens, but tiny-char-llama holds 192 positions"),
+    Case("a CUDA device this machine lacks", ("backend.device=cuda",),
+         "backend.device=cuda but this machine has no CUDA GPU", without_gpu=True),
+    # Files handed to an entry point.
+    Case("sweep file that is not YAML", ("broken.yaml",), "broken.yaml is not valid YAML (",
+         module="graft_exp.sweep", files={"broken.yaml": "study: x\nruns: [\n"}),
+    Case("YAML file that is not a sweep", ("grid.yaml",), "grid.yaml: runs is 3, not a non-empty list",
+         module="graft_exp.sweep", files={"grid.yaml": "study: x\nruns: 3\n"}),
+    Case("sweep path that is a folder", ("sweeps",), "cannot read the sweep file sweeps (Is a directory)",
+         module="graft_exp.sweep", files={"sweeps/main.yaml": SWEEP_TEXT}),
+    Case("a postgresql:// store that does not answer", ("tracking.uri=postgresql://graft@127.0.0.1:9/mlflow",),
+         "the tracking database postgresql://graft@127.0.0.1:9/mlflow does not answer"),
+    Case("a store file that is not an MLflow store", ("tracking.uri=sqlite:///notes.db",),
+         "notes.db is not an MLflow store", files={"notes.db": "my notes, not a database"}),
+    Case("analysis of a file that is not an MLflow store",
+         ("tables", "--tracking-uri", "sqlite:///notes.db", "--out", "reports"), "notes.db is not an MLflow store",
+         module="analysis", files={"notes.db": "my notes, not a database"}),
+    Case("analysis output into a file", ("tables", "--tracking-uri", "sqlite:///store.db", "--out", "store.db"),
+         "--out store.db is a file; give a folder", module="analysis"),
+    Case("prepare into a file", ("--data-dir", "store.db", "--no-models"),
+         "--data-dir store.db: ", module="graft_exp.prepare"),
+    Case("server folder that is a file", ("start", "--dir", "store.db", "--host", "127.0.0.1"),
+         "--dir store.db: ", module="graft_exp.server"),
 ]
 
-SWEEP = "study: default\nruns:\n  - {method: [grpo_n8, graft], seed: 0}\n"
 
 BLOCKER = """
 import runpy, sys
@@ -147,6 +185,9 @@ def prepare(case: Case, where: Path, template: Path | None = None) -> None:
         shutil.copy(template, where / "store.db")
     else:
         seed_store(where)
+    for name, text in case.files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
     if case.corrupt_checkpoint:
         ckpt = where / "ckpt" / run_key_of(case.args, where) / "ckpt-2"
         ckpt.mkdir(parents=True)
@@ -154,18 +195,18 @@ def prepare(case: Case, where: Path, template: Path | None = None) -> None:
 
 
 def command(case: Case, where: Path) -> list[str]:
+    if case.module not in ("graft_exp", "graft_exp.sweep"):   # no Hydra overrides: the arguments as given
+        return [sys.executable, "-c", BLOCKER, ",".join(case.hide), case.module, *case.args]
     defaults = [f"checkpoint_root={where / 'ckpt'}"]
     if not any(a.startswith("tracking") for a in case.args):   # a case about tracking names its own store
         defaults.insert(0, f"tracking.uri=sqlite:///{where / 'store.db'}")
-    flags = [a for a in case.args if a.startswith("-")]
+    flags = [a for a in case.args if a.startswith("-") or "=" not in a]   # options and the sweep file
     # After the defaults: the case's own value of a default wins (Hydra takes the last of two overrides).
-    args = [*flags, *defaults, *(a for a in case.args if not a.startswith("-"))]
+    args = [*flags, *defaults, *(a for a in case.args if a not in flags)]
     if case.sweep:
-        (where / "sweep.yaml").write_text(SWEEP)
-        module, args = "graft_exp.sweep", ["sweep.yaml", *args]
-    else:
-        module = "graft_exp"
-    return [sys.executable, "-c", BLOCKER, ",".join(case.hide), module, *args]
+        (where / "sweep.yaml").write_text(SWEEP_TEXT)
+        args = ["sweep.yaml", *args]
+    return [sys.executable, "-c", BLOCKER, ",".join(case.hide), case.module, *args]
 
 
 def run_case(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -196,17 +237,18 @@ def write_table(path: Path) -> None:
             where = Path(tmp) / f"case{i}"
             prepare(case, where)
             done, seconds = run_case(case, where)
-            program = "python -m graft_exp.sweep sweep.yaml" if case.sweep else "python -m graft_exp"
             shown = message(done, case).replace("|", "\\|")
-            rows.append(f"| {i} | {case.name} | `{program} {' '.join(case.args)}` | {done.returncode} | "
+            rows.append(f"| {i} | {case.name} | `{case.program} {' '.join(case.args)}` | {done.returncode} | "
                         f"{seconds:.1f} | {shown} |")
             print(rows[-1], flush=True)
     path.write_text(
         "# Bad inputs and what they get\n\n"
         "Generated by `python tests/bad_inputs.py docs/bad-inputs.md` (the cases of `tests/bad_inputs.py`, which\n"
         "`tests/test_bad_inputs.py` runs and checks: non-zero exit, no traceback, this message, the store and\n"
-        "the checkpoint root unchanged). Every command also gets `tracking.uri=sqlite:///<dir>/store.db\n"
-        "checkpoint_root=<dir>/ckpt`; the time is the wall time of the whole process, Python start included.\n\n"
+        "the checkpoint root unchanged). Every `graft_exp` and `graft_exp.sweep` command also gets\n"
+        "`tracking.uri=sqlite:///<dir>/store.db checkpoint_root=<dir>/ckpt` (a case about the store names its own);\n"
+        "the other entry points get their arguments as shown, in a directory holding `store.db` and `ckpt/`.\n"
+        "The time is the wall time of the whole process, Python start included.\n\n"
         + "\n".join(rows) + "\n")
 
 

@@ -23,6 +23,11 @@ def files_under(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_fails_early_and_creates_nothing(case: Case, seeded_store, tmp_path):
+    if case.without_gpu:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a CUDA GPU: the case is about one that lacks it")
     prepare(case, tmp_path, template=seeded_store)
     before, checkpoints = store_content(tmp_path / "store.db"), files_under(tmp_path / "ckpt")
     done, seconds = run_case(case, tmp_path)
