@@ -120,6 +120,9 @@ CASES = [
          "--data-dir store.db: ", module="graft_exp.prepare"),
     Case("server folder that is a file", ("start", "--dir", "store.db", "--host", "127.0.0.1"),
          "--dir store.db: ", module="graft_exp.server"),
+    Case("sweep output into a file", ("sweep.yaml", "--out", "store.db"), "--out store.db: ",
+         module="graft_exp.sweep", files={"sweep.yaml": SWEEP_TEXT}),
+    Case("tiny models built into a file", ("build", "--out", "store.db"), "--out store.db: ", module="graft_exp.tiny"),
 ]
 
 

@@ -40,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
 from graft_exp import tracking
-from graft_exp.config import ConfigError, validate_job
+from graft_exp.config import ConfigError, folder_problem, validate_job
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import SweepError, plan
 from graft_exp.sweep.state import console, report, snapshot
@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between state checks while waiting (default: cluster.poll_s)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (cluster=slurm ...)")
     args = parser.parse_intermixed_args(argv)
+    problem = folder_problem(args.out)
+    if problem:
+        console.print(f"[red]error:[/] --out {escape(str(args.out))}: {escape(problem)}; give a folder for the "
+                      "launches' Hydra folders", soft_wrap=True)
+        return 2
     try:
         sweep = plan(args.sweep, args.overrides)
     except SweepError as err:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from graft_exp.config import folder_problem
 from graft_exp.tiny.models import ASSETS, RECIPES, build
 
 
@@ -21,6 +22,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ASSETS, help="directory for <key>/ (default: the shipped assets)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the shipped weights used 1)")
     args = parser.parse_args(argv)
+    unknown = [key for key in args.keys if key not in RECIPES]
+    if unknown:
+        parser.error(f"unknown tiny model(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: need at least 1")
+    problem = folder_problem(args.out)
+    if problem:   # before minutes of training
+        parser.error(f"--out {args.out}: {problem}; give a folder you can write")
     torch.set_num_threads(args.threads)
     for key in args.keys:
         build(RECIPES[key], args.out / key)
