@@ -30,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from graft_exp.resources import RAY_CPUS_PER_GPU
+
 RAY_PORT = 6379
 MODULE = "graft_exp.backends.verl.ray_slurm"
 #: The job's Ray token, in the job's directory (the run directory; a multi-node job's ``ray_job_dir``).
@@ -220,9 +222,10 @@ def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: in
 
 
 def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | None = None,
-                    init_kwargs: dict | None = None) -> None:
+                    init_kwargs: dict | None = None, num_cpus: int | None = None) -> None:
     """Connect to Ray for one job: ``address`` ("auto": the allocation's cluster) or a private Ray on
-    this node with ``num_gpus`` GPUs. A job spread over several Slurm nodes needs the sbatch script.
+    this node with ``num_gpus`` GPUs and ``num_cpus`` CPUs (the cores this process may use; Ray would count the
+    whole node's). A job spread over several Slurm nodes needs the sbatch script.
     ``init_kwargs``: ``config.ray_init_kwargs`` (verl's runtime environment; a private Ray's own temp dir).
 
     A private Ray authenticates with a new token in ``job_dir`` (``new_ray_token``). A cluster joined by
@@ -240,8 +243,13 @@ def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | No
     if int(os.environ.get("SLURM_NNODES", "1")) > 1:
         raise RuntimeError("this Slurm job spans several nodes but backend.ray_address is null: launch "
                            "multi-node verl jobs with `python -m graft_exp.backends.verl.ray_slurm`")
+    if num_cpus is not None and num_cpus < RAY_CPUS_PER_GPU * num_gpus:
+        # verl's placement groups would wait for the missing CPUs until the job's time limit.
+        raise RuntimeError(f"this job may use {num_cpus} CPUs, but verl's placement groups reserve "
+                           f"{RAY_CPUS_PER_GPU} per GPU ({RAY_CPUS_PER_GPU * num_gpus} for {num_gpus} GPUs): give it "
+                           "more (python -m graft_exp.plan shows what cluster=slurm requests)")
     use_ray_token(new_ray_token(job_dir))
-    ray.init(num_gpus=num_gpus, include_dashboard=False, **init_kwargs)
+    ray.init(num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
