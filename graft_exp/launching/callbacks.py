@@ -185,6 +185,15 @@ def trained_roles(cfg: DictConfig, finished: set[str] | None = None) -> list[str
     return [role for role in members if tracking.model_run_key(cfg, role) not in finished] or members
 
 
+def shared_gpus(cluster: str, jobs: list[PlannedJob]) -> str | None:
+    """Why the jobs of a multirun on this machine (``cluster=local`` or ``submitit_local``) must not run side by
+    side (None: they may): several ``backend=verl`` jobs would each start a Ray over the same GPUs."""
+    on_gpus = [job for job in jobs if job.cfg.backend.name == "verl"]
+    if cluster in ("local", "submitit_local") and len(on_gpus) > 1:
+        return f"{len(on_gpus)} backend=verl jobs would share this machine's GPUs"
+    return None
+
+
 #: The launcher keys of a job's Slurm request, each the plan's (``resources.Plan.slurm``) unless overridden.
 SLURM_KEYS = ("gpus_per_node", "cpus_per_task", "mem_gb")
 
@@ -277,11 +286,10 @@ class LaunchCallback(Callback):
         if problems:
             fail_before_launch("invalid configuration, nothing launched:\n" + "\n".join(problems))
         stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
-        on_gpus = [job for job in jobs if job.cfg.backend.name == "verl"]
-        if config.cluster.name == "submitit_local" and len(on_gpus) > 1:
+        sharing = shared_gpus(config.cluster.name, jobs)
+        if sharing and config.cluster.name == "submitit_local":
             fail_before_launch(f"nothing launched: cluster=submitit_local starts all {len(jobs)} jobs at once, and "
-                               f"{len(on_gpus)} backend=verl jobs would share this machine's GPUs: launch them with "
-                               "cluster=local (one after another) or cluster=slurm")
+                               f"{sharing}: launch them with cluster=local (one after another) or cluster=slurm")
         overridden = {o.split("=", 1)[0].removeprefix("hydra.launcher.")
                       for o in config.hydra.overrides.hydra if o.startswith("hydra.launcher.")}
         _, problems = check_plans(jobs, set(), config.hydra.launcher, overridden)
@@ -300,9 +308,8 @@ class LaunchCallback(Callback):
                 config.hydra.launcher.update(request)
             log.info("Slurm request per job: %s", ", ".join(f"{k}={v}" for k, v in request.items()))
         parallel = bool(config.cluster.parallel)
-        if parallel and len(on_gpus) > 1 and config.cluster.name == "local":
-            log.info("the %d jobs run one after another: %d backend=verl jobs would share this machine's GPUs",
-                     len(jobs), len(on_gpus))
+        if parallel and sharing:
+            log.info("the %d jobs run one after another: %s", len(jobs), sharing)
             with read_write(config.hydra.launcher):
                 config.hydra.launcher.n_jobs = 1
             parallel = False
