@@ -288,7 +288,7 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         latest = run_dir / "ckpt-1" / role
         assert (latest / "latest_checkpointed_iteration.txt").read_text() == "1"
         assert (latest / "global_step_1" / "model_world_size_1_rank_0.pt").is_file()
-        assert not (latest / "global_step_1" / "huggingface").exists()   # no hf_model export
+        assert not list((latest / "global_step_1" / "huggingface").glob("*.safetensors"))   # no hf_model export
     assert json.loads((run_dir / "ckpt-1" / "driver.json").read_text())["step"] == 1
 
     cfg, resumed = make_job()
