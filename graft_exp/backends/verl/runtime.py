@@ -22,9 +22,14 @@ goes through our loss (``loss.actor_loss``; single-model GRPO too, where it equa
 ``update_actor`` call per optimizer step, so verl's LR scheduler steps once per optimizer step.
 
 Checkpoints follow verl's trainer layout: ``<root>/global_step_<k>`` and the tracker file
-``latest_checkpointed_iteration.txt``, written after the save completes; ``latest`` and ``best`` are two
-roots, each keeping only its newest step (verl's own retention, ``max_ckpt_to_keep``, counts every save of
+``latest_checkpointed_iteration.txt``, written after the save completes; ``latest`` (model, optimizer, extra
+state) and ``best`` (the model only: ``resources.BEST_CONTENTS``) are two roots, each keeping only its newest
+step (verl's own retention, ``max_ckpt_to_keep``, counts every save of
 the worker's one checkpoint manager and would delete the other root's checkpoint).
+
+vLLM sleeps at level 1 while FSDP trains (its weights wait in host memory), so ``generate`` sends the
+trainer's weights only when they changed since the replicas last got them (``weights_version``); ``stop``
+kills the model's servers and workers at the end of the job.
 
 Nothing in this module has run on a GPU in this project's CI (no GPU there); ``tests/test_verl_*.py``
 cover the CPU-side pieces it calls (config, batches, layout, loss) and drive ``VerlModel`` over an
