@@ -282,7 +282,7 @@ def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
     from verl.utils import hf_tokenizer
 
     from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
-    from graft_exp.backends.verl.ray_slurm import start_local_ray
+    from graft_exp.backends.verl.ray_slurm import check_shared_paths, start_local_ray
 
     for role in roles:
         check_verl_loadable(model_path(cfg, role))
@@ -294,6 +294,10 @@ def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
     start_local_ray(num_gpus=len(roles) * int(cfg.backend.gpus_per_model), job_dir=backend.dir,
                     address=cfg.backend.ray_address, init_kwargs=ray_init_kwargs(backend.models[roles[0]].config),
                     num_cpus=len(os.sched_getaffinity(0)))
+    if int(cfg.backend.nnodes) > 1:
+        local_models = {f"model of {role}": model_path(cfg, role) for role in roles
+                        if os.path.isdir(model_path(cfg, role))}   # a hub id is fetched by each node itself
+        check_shared_paths({"checkpoint_root": str(run_dir)}, local_models)
     with_ref = backend.spec.needs_reference_model
     start_models(list(backend.models.values()), with_ref=with_ref)
     return backend
