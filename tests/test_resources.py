@@ -135,3 +135,29 @@ def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]   # one line
     assert done.stderr.startswith("plan refused: backend.gpu_memory_utilization=0.6 of a 40 GB GPU")
     assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=72G" in done.stdout
+
+
+def test_launch_callback_sets_the_slurm_request_from_the_plans(tmp_path):
+    """The multirun callback (cluster=slurm, before submission): the array's request is the jobs' plan; the
+    tiny pair's is 1 CPU, 2 GB and no GPU; a key the user set stays as set."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict, read_write
+
+    from graft_exp.launching.callbacks import LaunchCallback
+
+    def launched(*overrides):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", return_hydra_config=True,
+                          overrides=["cluster=slurm", f"tracking.uri=sqlite:///{tmp_path}/store.db",
+                                     f"checkpoint_root={tmp_path}/ckpt", *overrides])
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.sweeper.params = {"seed": "0,1"}
+                cfg.hydra.overrides.hydra = [o for o in overrides if o.startswith("hydra.")]
+            callback = LaunchCallback()
+            callback.on_multirun_start(cfg)
+            callback.on_multirun_end(cfg)
+        launcher = cfg.hydra.launcher
+        return launcher.gpus_per_node, launcher.cpus_per_task, launcher.mem_gb
+
+    assert launched() == (0, 1, 2)
+    assert launched("hydra.launcher.mem_gb=4") == (0, 1, 4)
