@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_job(args.overrides)
         validate(cfg)
         plan = resources.job_plan(cfg, trained_roles(cfg))
-    except HydraException as err:
-        print(f"plan: {err}", file=sys.stderr)
+    except HydraException as err:   # a misspelt key, an unknown option, a sweep list: Hydra's first line names it
+        print(f"plan: {str(err).splitlines()[0]} (the overrides of one job, as for python -m graft_exp)",
+              file=sys.stderr)
         return 2
     except ConfigError as err:
         print(f"plan refused: {err}", file=sys.stderr)

@@ -129,6 +129,9 @@ def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
     assert plan["checkpoint"]["best"] == {"contents": ["model"], "gb": 17.9}
     assert set(plan["gpu_mem_gb"]) == {"A", "B"} and plan["gpu_mem_gb"]["A"]["optimizer"] == 11.5
     assert list(tmp_path.iterdir()) == []   # nothing created (no store, no checkpoint root)
+    assert plan_main(["backend=verl", "pair=pair1", "seed=0,1"]) == 2   # one job: Hydra's first line, no traceback
+    assert capsys.readouterr().err == ("plan: Ambiguous value for argument 'seed=0,1' (the overrides of one job, "
+                                       "as for python -m graft_exp)\n")
     done = subprocess.run([sys.executable, "-m", "graft_exp.plan", "backend=verl", "pair=pair1",
                            "cluster.gpu_mem_gb=40"], check=False, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
