@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from graft_exp import driver, tracking
+from graft_exp import driver, resources, tracking
 from graft_exp.backends import backend_factory
 from graft_exp.config import ConfigError, register_schemas, validate_job
 from graft_exp.driver import CheckpointError, check_newest_checkpoint
@@ -35,6 +35,7 @@ def main(cfg: DictConfig) -> None:
     try:
         check_launch_mode(cfg)
         validate_job(cfg)   # the config, then this machine: backend=verl's extra, data, checkpoint root
+        resources.check(resources.job_plan(cfg), cfg)   # GPU memory, token budget: python -m graft_exp.plan
         check_newest_checkpoint(cfg)
     except (ConfigError, CheckpointError) as err:
         # A bad override stops the whole sweep before any training, with one clear line.

@@ -426,6 +426,11 @@ def validate_backend(cfg: DictConfig) -> None:
                               f"backend.rollout_tp={backend.rollout_tp}")
         if not 0 < backend.gpu_memory_utilization <= 1:
             raise ConfigError(f"backend.gpu_memory_utilization={backend.gpu_memory_utilization} must be in (0, 1]")
+        for key in ("kl_coef", "entropy_coef"):   # every verl update goes through graft_exp's loss
+            if train[key] != 0:
+                raise ConfigError(f"train.{key}={train[key]} is not supported by backend=verl: graft_exp's loss, "
+                                  f"which every method trains with, has no {key[:-5]} term (HACPO's KL is "
+                                  f"method.hacpo.kl_coef): set train.{key}=0")
         if pair.data != "math":
             raise ConfigError(f"backend=verl trains on MATH; pair.data={pair.data!r} has no prepared Parquet")
 

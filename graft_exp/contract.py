@@ -89,6 +89,9 @@ class Backend(Protocol):
     def load(self, directory: Path) -> None:
         """The state ``save`` wrote."""
 
+    def close(self) -> None:
+        """Release the job's devices and processes (the driver calls it when the job ends, however it ends)."""
+
 
 #: ``factory(cfg, roles, run_dir) -> Backend``: the models of ``roles`` loaded; ``run_dir`` is the job's
 #: directory (``driver.run_directory``), where a backend may keep files beside the driver's checkpoints.

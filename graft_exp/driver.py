@@ -520,6 +520,9 @@ def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFacto
             log.exception("job failed: MLflow run %s marked FAILED (a re-launch resumes it)", job.run_id)
         job.finish(status)
         raise
+    finally:   # also on a preemption: the next job of this process starts from free devices
+        if driver is not None and driver.backend is not None:
+            driver.backend.close()
     if stop_at_step is None:
         job.finish("FINISHED")
     return scores

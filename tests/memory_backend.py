@@ -62,6 +62,7 @@ class MemoryBackend:
 
     def __post_init__(self):
         self.state = {role: 0.0 for role in self.roles}
+        self.closed = False     # the driver's close() at the end of the job
 
     def problems(self) -> list[Problem]:
         return PROBLEMS
@@ -131,6 +132,9 @@ class MemoryBackend:
     def load(self, directory: Path) -> None:
         saved = json.loads((directory / "memory.json").read_text())
         self.state, self.best = saved["state"], saved["best"]
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def factory(created: list[MemoryBackend], **options):

@@ -168,3 +168,19 @@ def test_a_failing_update_closes_every_run_failed(make_job):
     assert {r.info.status for r in model_runs(job.client, job.run_id).values()} == {"FAILED"}
     cfg, again = make_job("method=graft")                       # a re-launch resumes the failed run
     assert again.resumed and again.run_id == job.run_id
+
+
+def test_the_backend_is_closed_however_the_job_ends(make_job):
+    """The driver closes the backend (verl: its vLLM replicas, workers and Ray) when the job ends: finished,
+    failed, or stopped as a preempted job, so the next job of the same process starts from free devices."""
+    cfg, job = make_job("method=graft")
+    (backend,), _ = fit(cfg, job)
+    assert backend.closed
+    cfg, job = make_job("method=graft", "seed=1")
+    created = []
+    with pytest.raises(RuntimeError, match="update failed"):
+        driver.fit(cfg, job, factory(created, fail_update_at=1))
+    assert created[0].closed
+    cfg, job = make_job("method=graft", "seed=2")
+    (backend,), _ = fit(cfg, job, stop_at_step=1)
+    assert backend.closed and job.status == "RUNNING"

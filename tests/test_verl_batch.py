@@ -3,6 +3,7 @@ responses scored by the receiver, every method's ReceiverBatch as verl rows (ver
 weights and source advantages as columns), minibatches in the method's order laid out for verl's
 data-parallel dispatch."""
 
+import copy
 import math
 from pathlib import Path
 
@@ -338,9 +339,28 @@ def test_stop_tokens_from_generation_config(bpe_tokenizer):
     texts, finished = vb.decode_responses(data, bpe_tokenizer, stops)
     assert finished == [True, True, False] and texts == ["so \\boxed{42}"] * 3
     # with the tokenizer's EOS alone (the old rule) the <|im_end|> response looked cut at the length limit
-    assert vb.decode_responses(data, bpe_tokenizer, vb.stop_token_ids(bpe_tokenizer))[1] == [False, True, False]
+    assert vb.decode_responses(data, bpe_tokenizer, [endoftext])[1] == [False, True, False]
     ids = vb.retokenize(texts[0], bpe_tokenizer, finished=True, max_length=32, stop_id=stops[0])
     assert ids[-1] == im_end and bpe_tokenizer.decode(ids, skip_special_tokens=True) == texts[0]
+
+
+def test_base_model_stops_at_its_chat_templates_end_of_turn(bpe_tokenizer):
+    """A base model's generation config names only its end-of-text token (Qwen3-1.7B-Base: eos_token_id
+    <|endoftext|>), while the ChatML template it is prompted with closes the assistant turn with <|im_end|>
+    (Qwen3, SmolLM3): the rollout stops there too, the end of turn first (the peer copies' ending); a Llama-3
+    template's <|eot_id|> likewise. A tokenizer without a template keeps its EOS alone."""
+    im_end, endoftext = bpe_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    base_config = GenerationConfig(eos_token_id=endoftext)
+    assert vb.end_of_turn_id(bpe_tokenizer) == im_end
+    assert vb.stop_token_ids(bpe_tokenizer, base_config) == [im_end, endoftext]
+    llama3 = copy.deepcopy(bpe_tokenizer)
+    llama3.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    llama3.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                            "{{ m['content'] }}<|eot_id|>{% endfor %}")
+    assert vb.stop_token_ids(llama3, base_config) == [llama3.convert_tokens_to_ids("<|eot_id|>"), endoftext]
+    plain = copy.deepcopy(bpe_tokenizer)
+    plain.chat_template = None
+    assert vb.end_of_turn_id(plain) is None and vb.stop_token_ids(plain, base_config) == [endoftext]
 
 
 def test_tiny_pair_stop_tokens_from_their_assets():

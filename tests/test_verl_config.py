@@ -178,3 +178,40 @@ def test_dynamic_sampling_takes_kept_groups_of_several_draws():
     assert taken.responses == [["10", "11"], ["14", "15"], ["34", "35"]]
     assert [vb.row_tokens(rows, row)[1] for row in range(6)] == [[10], [11], [14], [15], [34], [35]]
     assert taken.logp_sum[:, 0].tolist() == [-10, -14, -34] and taken.k.tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_precision_reaches_fsdp_mixed_precision_and_vllm_alike(precision, tmp_path):
+    """verl's FSDP engine computes in ``fsdp_config.mixed_precision.param_dtype`` (bf16 when it is unset; it
+    never reads ``fsdp_config.dtype``) while vLLM samples in ``rollout.dtype``: both carry train.precision."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.torch_dtypes import PrecisionType
+
+    config = verl_config(_compose("pair=pair1", f"train.precision={precision}"), "A", str(tmp_path))
+    engine = omega_conf_to_dataclass(config.actor_rollout_ref.actor.fsdp_config)
+    expected = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    assert PrecisionType.to_dtype(engine.mixed_precision["param_dtype"]) == expected
+    assert PrecisionType.to_dtype(config.actor_rollout_ref.rollout.dtype) == expected
+    assert (engine.mixed_precision["reduce_dtype"], engine.model_dtype) == ("fp32", "fp32")   # fp32 master weights
+    assert PrecisionType.to_dtype(config.actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype) == expected
+
+
+def test_checkpoints_carry_no_hf_model_export(pair1_graft, tmp_path):
+    """verl 0.9.1's FSDPCheckpointManager exports hf_model (the full model gathered to rank 0) on every save
+    whose save_contents lists it; nothing reads it. Latest holds what resuming needs."""
+    checkpoint = verl_config(pair1_graft, "A", str(tmp_path)).actor_rollout_ref.actor.checkpoint
+    assert list(checkpoint.save_contents) == ["model", "optimizer", "extra"]
+    assert list(checkpoint.load_contents) == ["model", "optimizer", "extra"]
+
+
+@pytest.mark.parametrize("method", ["grpo_n8", "grpo_ds", "graft"])
+@pytest.mark.parametrize("key", ["kl_coef", "entropy_coef"])
+def test_kl_and_entropy_coefficients_refused_before_any_run(method, key):
+    """Every verl update goes through graft_exp's loss, which has no KL or entropy term: a coefficient would
+    be silently ignored by the single-model methods too. ``validate`` (run before the MLflow run opens)
+    refuses it in one line."""
+    from graft_exp.config import ConfigError
+
+    cfg = _compose("pair=pair1", f"method={method}", f"train.{key}=0.01")
+    with pytest.raises(ConfigError, match=f"train.{key}=0.01 is not supported by backend=verl.*set train.{key}=0"):
+        validate(cfg)

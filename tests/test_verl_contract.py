@@ -64,10 +64,13 @@ class NoWeightSync:
     nothing to sync (the calls are counted)."""
 
     def __init__(self):
-        self.calls = {"update_weights": 0, "sleep_replicas": 0}
+        self.calls = {"update_weights": 0, "wake_up_replicas": 0, "sleep_replicas": 0}
 
     def update_weights(self, global_steps: int | None = None) -> None:
         self.calls["update_weights"] += 1
+
+    def wake_up_replicas(self) -> None:
+        self.calls["wake_up_replicas"] += 1
 
     def sleep_replicas(self) -> None:
         self.calls["sleep_replicas"] += 1
@@ -287,7 +290,8 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
     for role in ("A", "B"):
         latest = run_dir / "ckpt-1" / role
         assert (latest / "latest_checkpointed_iteration.txt").read_text() == "1"
-        assert (latest / "global_step_1" / "huggingface" / "config.json").is_file()
+        assert (latest / "global_step_1" / "model_world_size_1_rank_0.pt").is_file()
+        assert not list((latest / "global_step_1" / "huggingface").glob("*.safetensors"))   # no hf_model export
     assert json.loads((run_dir / "ckpt-1" / "driver.json").read_text())["step"] == 1
 
     cfg, resumed = make_job()
@@ -300,7 +304,10 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
     for backend in (first, second):
         for model in backend.models.values():
             assert model.wg.calls["update_actor"] >= 1          # each driver trained its step
-            assert model.checkpoints.calls["update_weights"] == model.checkpoints.calls["sleep_replicas"]
+            calls = model.checkpoints.calls
+            assert calls["update_weights"] + calls["wake_up_replicas"] == calls["sleep_replicas"]
+            # weights are sent once per change (an update, a load): the benchmarks of one validation reuse them
+            assert calls["wake_up_replicas"] >= 1 and calls["update_weights"] <= model.wg.calls["update_actor"] + 3
     for model in second.models.values():
         assert model.wg.calls["load_checkpoint"] >= 1           # the resume read verl's checkpoint
     if method == "hacpo":                                       # its KL term's reference pass
@@ -335,11 +342,10 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         assert [s for s, _ in metrics["test/avg"]] == [0, 1]
         assert {f"test/{b}" for b in SKILLS} <= set(metrics)
         assert all(np.isfinite(v) for _, v in metrics["train/loss"])
-        # verl's LR scheduler steps once per update_actor call: the checkpoint carried it through the resume,
-        # and the final evaluation's model is the best checkpoint's
+        # verl's LR scheduler steps once per update_actor call: the checkpoint carried it through the resume;
+        # the best checkpoint holds the model only, so restoring it for the final evaluation leaves it as trained
         updates = first.models[role].wg.calls["update_actor"] + second.models[role].wg.calls["update_actor"]
-        at_best = updates if tags["graft.best_step"] == "2" else first.models[role].wg.calls["update_actor"]
-        assert second.models[role].wg.lr_scheduler.last_epoch == at_best
+        assert second.models[role].wg.lr_scheduler.last_epoch == updates
         if method == "grpo_ds":
             assert trained[role]["peer"] == trained[role]["nll_rows"] == 0
             assert "train/peer_groups" not in metrics

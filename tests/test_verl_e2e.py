@@ -99,6 +99,10 @@ class CheckedBackend(VerlBackend):
             assert torch.equal(model.log_probs(rows), expected)    # exactly the saved model
             CheckedBackend.checked["loads"] += 1
 
+    def close(self) -> None:
+        """The module's jobs share one Ray and one start of the worker groups (``EngineFactory``): the
+        fixture shuts them down after the last job (``VerlBackend.close`` is tested in test_verl_runtime)."""
+
 
 class EngineFactory:
     """``backend.create`` with the CPU worker environment: the first call starts Ray and the worker groups,

@@ -150,8 +150,7 @@ def test_engine_workers_score_train_save_and_load(engines, role):
     files = {p.name for p in (step_root / "global_step_1").iterdir()}
     assert {f"model_world_size_2_rank_{r}.pt" for r in (0, 1)} <= files           # verl's sharded checkpoint
     assert {f"optim_world_size_2_rank_{r}.pt" for r in (0, 1)} <= files
-    exported = str(step_root / "global_step_1" / "huggingface")
-    assert torch.allclose(plain_log_probs(exported, batch), trained, atol=1e-4)  # its Hugging Face export
+    assert not list((step_root / "global_step_1" / "huggingface").glob("*.safetensors"))   # no hf_model export
 
     # verl's colocated weight sync (update_weights, the naive backend CheckpointEngineManager drives) hands
     # the trained weights to the worker-side rollout: a model with them scores as the trainer does.

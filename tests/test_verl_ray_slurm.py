@@ -228,3 +228,40 @@ def test_a_jobs_ray_admits_only_its_own_token(tmp_path):
     assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
     assert (home / ".ray" / "auth_token").read_text() == foreign
     assert not (tmp_path / "empty-home" / ".ray").exists()
+
+
+def test_submission_checks_the_jobs_plan():
+    """``--submit`` or not, the multi-node script is written only for a job whose plan fits: the CPUs per node
+    must hold verl's placement groups (3 per GPU) and the agent-loop workers; the plan's own refusals (here a
+    token budget below one sequence) stop it in one line."""
+    base = [sys.executable, "-m", "graft_exp.backends.verl.ray_slurm", "--nodes", "2", "--gpus-per-node", "4"]
+    done = subprocess.run([*base, "--cpus-per-node", "8", "--", "pair=pair1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2 and "--cpus-per-node 8 is below the job's plan of 29 CPUs per node" in done.stderr
+    assert "#SBATCH" not in done.stdout
+    done = subprocess.run([*base, "--", "pair=pair1", "train.max_response_length=16000"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "#SBATCH" not in done.stdout
+    assert done.stderr.strip() == done.stderr.strip().splitlines()[0]
+    assert "backend.max_token_len_per_gpu=16384 is below one sequence" in done.stderr
+    done = subprocess.run([*base, "--", "pair=pair1"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "#SBATCH --cpus-per-task=32" in done.stdout
+
+
+def test_shared_paths_are_seen_by_every_node(tmp_path):
+    """``check_shared_paths`` (a several-node job, before its pools start): a marker written by the driver
+    is read back by a task on each node of the job's Ray, none is left behind; a model directory a node does
+    not have is named in the one-line refusal."""
+    import ray
+
+    from graft_exp.backends.verl.ray_slurm import check_shared_paths
+
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        check_shared_paths({"checkpoint_root": str(tmp_path / "run")}, {"model of B": str(tmp_path / "models" / "qwen")})
+        with pytest.raises(RuntimeError, match=r"does not see model of A \(.*/smol\): .*one shared filesystem"):
+            check_shared_paths({"checkpoint_root": str(tmp_path / "run")}, {"model of A": str(tmp_path / "models" / "smol")})
+    finally:
+        ray.shutdown()
+    assert list((tmp_path / "run").iterdir()) == []

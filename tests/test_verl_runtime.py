@@ -37,6 +37,7 @@ from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.backends.verl.runtime import VerlModel, offset_replica_class, scoped_job_id, scoped_zmq_handle
 from graft_exp.exchange import SELF, ReceiverBatch, Row
 from graft_exp.objective import LossSpec
+from graft_exp.resources import BEST_CONTENTS
 from graft_exp.tiny.models import ASSETS
 
 torch.set_num_threads(1)
@@ -99,19 +100,26 @@ def test_latest_and_best_checkpoints_survive_each_other(tmp_path):
     _shift(model, 0.01)
     model.wg.lr_scheduler.step()
     at_best = _state(model)
-    model.save(best, 2)
+    model.save(best, 2, BEST_CONTENTS)
     _shift(model, 0.01)
     model.wg.lr_scheduler.step()
     at_latest = _state(model)
     model.save(latest, 3)
     assert sorted(p.name for p in Path(latest).iterdir()) == ["global_step_3", "latest_checkpointed_iteration.txt"]
     assert sorted(p.name for p in Path(best).iterdir()) == ["global_step_2", "latest_checkpointed_iteration.txt"]
-    assert (Path(best) / "global_step_2" / "huggingface" / "model.safetensors").is_file()
+    # best: the model's shards only; latest: model, optimizer and extra state; neither an hf_model export
+    best_files = {p.name for p in (Path(best) / "global_step_2").iterdir()}
+    latest_files = {p.name for p in (Path(latest) / "global_step_3").iterdir()}
+    assert any(f.startswith("model_world_size_") for f in best_files)
+    assert not any(f.startswith(("optim_", "extra_")) for f in best_files)
+    assert any(f.startswith("optim_") for f in latest_files) and any(f.startswith("extra_") for f in latest_files)
+    for step_dir in (Path(best) / "global_step_2", Path(latest) / "global_step_3"):   # config + tokenizer only
+        assert not list((step_dir / "huggingface").glob("*.safetensors"))
 
     _shift(model, 0.5)
-    assert model.load(best) == 2
+    assert model.load(best, BEST_CONTENTS) == 2
     assert all(torch.equal(v, at_best[k]) for k, v in _state(model).items())
-    assert model.wg.lr_scheduler.last_epoch == 1
+    assert model.wg.lr_scheduler.last_epoch == 2   # a model-only load leaves the scheduler (and optimizer) as they were
     assert model.load(latest) == 3
     assert all(torch.equal(v, at_latest[k]) for k, v in _state(model).items())
     assert model.wg.lr_scheduler.last_epoch == 2
@@ -357,3 +365,65 @@ def test_offset_replica_works_for_any_registered_rollout(monkeypatch):
     assert server.job_id_seen == "01000000" and os.environ["VERL_RAY_JOB_ID"] == scoped_job_id("01000000", "tok")
     with pytest.raises(TypeError, match="rollout replica class"):
         offset_replica_class(_RecordingServer, offset)
+
+
+class RolloutRecorder:
+    """What ``VerlModel.generate`` drives besides the worker group, recording the calls: verl's
+    ``CheckpointEngineManager`` (weight transfer to the vLLM replicas, their sleep and wake-up) and the agent
+    loop (whose rollouts need vLLM, which this machine does not run): it returns the prompts as they came."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def update_weights(self, step):
+        self.calls.append("update_weights")
+
+    def wake_up_replicas(self):
+        self.calls.append("wake_up")
+
+    def sleep_replicas(self):
+        self.calls.append("sleep")
+
+    def generate_sequences(self, prompts):
+        return prompts
+
+
+def test_weights_reach_vllm_only_after_they_changed(tmp_path):
+    """verl's CheckpointEngineManager.update_weights sends every parameter to the replicas; DAPO's refill
+    draws, the benchmarks of one validation and the final evaluation runs generate with unchanged weights:
+    those only wake the replicas (sleeping at level 1, their weights kept in host memory). An update or a
+    load changes the weights and the next generate sends them."""
+    model = _model(tmp_path, "grpo_ds", 2, "method.n=2", "train.minibatch_prompts=2")
+    recorder = RolloutRecorder()
+    model.checkpoints = model.agent_loop = recorder
+    prompts = _rows(model.tokenizer, 8, seed=0)
+
+    def generate():
+        recorder.calls.clear()
+        model.generate(prompts, step=1)
+        return recorder.calls
+
+    assert generate() == ["update_weights", "sleep"]
+    assert generate() == ["wake_up", "sleep"]          # a refill draw or the next benchmark: nothing re-sent
+    grpo_update(model, _rows(model.tokenizer, 8, seed=1), torch.tensor([[1.0, -1.0], [0.5, -0.5], [0.0, 0.0],
+                                                                        [-1.0, 1.0]]))
+    assert generate() == ["update_weights", "sleep"]
+    model.save(str(tmp_path / "latest"), 1)
+    assert generate() == ["wake_up", "sleep"]          # saving changes nothing
+    model.load(str(tmp_path / "latest"))
+    assert generate() == ["update_weights", "sleep"]
+
+
+def test_backend_close_leaves_ray_for_the_next_job(tmp_path, compose_cfg):
+    """The end of a job shuts its Ray down: the next job of the same process (a multirun on cluster=local runs
+    them one after another in this process) starts a Ray of its own instead of joining this one, with its
+    placement groups."""
+    from graft_exp.backends.verl.backend import VerlBackend
+
+    backend = VerlBackend(compose_cfg("backend=verl", "pair=pair1"), ["A", "B"], tmp_path)
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        backend.close()
+        assert not ray.is_initialized()
+    finally:
+        ray.shutdown()

@@ -22,7 +22,7 @@ from verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV, cpu_replica_class
 from graft_exp.backends.verl.config import ray_init_kwargs
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, start_models
-from graft_exp.backends.verl.seeded_agent import SEED_COLUMN
+from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.objective import LossSpec
 
 pytestmark = [pytest.mark.verl_engine, pytest.mark.slow]
@@ -49,8 +49,12 @@ def test_start_and_rollout_generates_with_the_trained_weights(prepared, tmp_path
         messages = [[{"role": "user", "content": q}] for q in ("1+1=", "2+2=") for _ in range(n)]
 
         def generate(step: int) -> DataProto:
+            stops = np.empty(len(messages), dtype=object)
+            for row in range(len(messages)):
+                stops[row] = model.stop_ids
             prompts = DataProto.from_single_dict({"raw_prompt": np.array(messages, dtype=object),
-                                                  SEED_COLUMN: np.arange(len(messages), dtype=object) + 100 * step})
+                                                  SEED_COLUMN: np.arange(len(messages), dtype=object) + 100 * step,
+                                                  STOP_COLUMN: stops})
             out = model.generate(prompts, step=step)
             assert len(out) == len(messages)
             # the rollout sampled with the trainer's current weights: its log-probs are the trainer's

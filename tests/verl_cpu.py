@@ -237,6 +237,7 @@ class WeightsRollout:
         model.tie_weights()
         generator = torch.Generator().manual_seed(int(sampling_params.get("seed") or 0))
         temperature = float(sampling_params.get("temperature", 1.0)) or 1e-6
+        stops = {config.eos_token_id, *(sampling_params.get("stop_token_ids") or [])}   # as vLLM stops
         tokens = torch.tensor([prompt_ids])
         out, log_probs = [], []
         with torch.no_grad():
@@ -245,7 +246,7 @@ class WeightsRollout:
                 token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
                 log_probs.append(float(torch.log_softmax(logits, -1)[token]))
                 out.append(token)
-                if token == config.eos_token_id:
+                if token in stops:
                     break
                 tokens = torch.cat([tokens, torch.tensor([[token]])], 1)
         return out, log_probs

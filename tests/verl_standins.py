@@ -4,7 +4,7 @@
 ``EngineWorkerGroup`` replaces the ``RayWorkerGroup`` of verl's ``ActorRolloutRefWorker`` (Ray actors, one
 per GPU, each an ``FSDPEngine``) with the same methods ``VerlModel`` calls: ``set_loss_fn``,
 ``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``, ``save_checkpoint``, ``load_checkpoint``
-and ``world_size``. What is stood in for, precisely:
+(and ``GraftActorWorker``'s ``save_checkpoint_contents`` / ``load_checkpoint_contents``) and ``world_size``. What is stood in for, precisely:
 
 - Ray and the worker processes: the ``dp_size`` data-parallel ranks are simulated one after the other in
   this process on ONE model (one process group of world size 1, gloo). Where verl's ranks communicate,
@@ -55,6 +55,8 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.config.optimizer import build_optimizer
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+from graft_exp.backends.verl.runtime import checkpoint_contents
 
 
 def ensure_process_group() -> None:
@@ -183,6 +185,17 @@ class EngineWorkerGroup:
         self._count("load_checkpoint")
         self.checkpoints.load_checkpoint(local_path=local_path, hdfs_path=hdfs_path,
                                          del_local_after_load=del_local_after_load)
+
+    def save_checkpoint_contents(self, local_path, global_step, contents) -> None:
+        """``GraftActorWorker.save_checkpoint_contents``: the manager saving ``contents`` only."""
+        self._count("save_checkpoint")
+        with checkpoint_contents(self.checkpoints, contents):
+            self.checkpoints.save_checkpoint(local_path=local_path, global_step=global_step, max_ckpt_to_keep=None)
+
+    def load_checkpoint_contents(self, local_path, contents) -> None:
+        self._count("load_checkpoint")
+        with checkpoint_contents(self.checkpoints, contents):
+            self.checkpoints.load_checkpoint(local_path=local_path, del_local_after_load=False)
 
     # --- the ranks --------------------------------------------------------------------------------
     def _count(self, name: str) -> None:

@@ -215,3 +215,5 @@ class LocalBackend:
             if state[role]["best"] is not None:
                 self.best[role] = state[role]["best"]
 
+    def close(self) -> None:
+        """Nothing to release: the models are tensors of this process."""

@@ -10,6 +10,10 @@ In the launching process, before any job starts (``on_multirun_start``):
     (``cluster.in_order_when_needed``) the multirun runs its jobs one after another instead;
   * a ``graft_stored`` job whose peer GRPO n=8 log is neither in the store nor trained by an
     earlier job of this (sequential) multirun is refused;
+  * every job's resource plan (``graft_exp.resources``) is checked, and on Slurm the array's request is
+    set from the plans (``slurm_request``): GPUs, CPUs and memory follow from the members each job trains;
+  * ``backend=verl`` jobs of one multirun on this machine (``cluster=local``) run one after another: side
+    by side they would share the same GPUs; ``cluster=submitit_local`` refuses more than one;
   * submitit's "Bypassing sacct error" warning, printed at every poll where Slurm accounting is
     disabled, is reported once.
 While the jobs run, a monitor thread reports each failed or crashed job with its log as soon as
@@ -37,7 +41,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from graft_exp import scheduler, tracking
+from graft_exp import resources, scheduler, tracking
 from graft_exp.config import ConfigError, roles, validate_job
 from graft_exp.launching import status, summary
 
@@ -173,6 +177,61 @@ def order_needs(jobs: list[PlannedJob], uris: set[str]) -> list[str]:
         f"{len(stored)} graft_stored job(s) replay the log of an earlier GRPO n=8 job"] * bool(stored)
 
 
+def trained_roles(cfg: DictConfig, finished: set[str] | None = None) -> list[str]:
+    """The members the job ``cfg`` trains: all of a co-trained job; of a single-model job, those whose shared
+    GRPO baseline is not FINISHED (``finished``: run keys; default: read from the job's store when it exists,
+    creating nothing). The same rule as ``driver.Driver``'s ``needed``."""
+    members = roles(cfg.pair)
+    if cfg.method.co_train:
+        return members
+    if finished is None:
+        uri = cfg.tracking.uri
+        db = tracking.sqlite_file(uri)
+        finished = finished_keys({uri}) if db is None or db.exists() else set()
+    return [role for role in members if tracking.model_run_key(cfg, role) not in finished] or members
+
+
+def shared_gpus(cluster: str, jobs: list[PlannedJob]) -> str | None:
+    """Why the jobs of a multirun on this machine (``cluster=local`` or ``submitit_local``) must not run side by
+    side (None: they may): several ``backend=verl`` jobs would each start a Ray over the same GPUs."""
+    on_gpus = [job for job in jobs if job.cfg.backend.name == "verl"]
+    if cluster in ("local", "submitit_local") and len(on_gpus) > 1:
+        return f"{len(on_gpus)} backend=verl jobs would share this machine's GPUs"
+    return None
+
+
+#: The launcher keys of a job's Slurm request, each the plan's (``resources.Plan.slurm``) unless overridden.
+SLURM_KEYS = ("gpus_per_node", "cpus_per_task", "mem_gb")
+
+
+def slurm_request(plans: list[resources.Plan], overridden: set[str]) -> dict[str, int]:
+    """The request of one submitit array (all its jobs share one): per key, the largest any job's plan asks
+    for; a key the user set (``hydra.launcher.<key>=...``, checked against the plans by ``check_plans``) stays."""
+    return {key: max(plan.slurm[key] for plan in plans) for key in SLURM_KEYS if key not in overridden}
+
+
+def check_plans(jobs: list[PlannedJob], finished: set[str], launcher: DictConfig,
+                overridden: set[str]) -> tuple[list[resources.Plan], list[str]]:
+    """Every job's plan, and a line per job whose plan cannot fit (``resources.check``) or whose overridden
+    Slurm request is below its plan."""
+    plans, problems = [], []
+    for job in jobs:
+        try:
+            plan = resources.job_plan(job.cfg, trained_roles(job.cfg, finished))
+            resources.check(plan, job.cfg)
+        except ConfigError as err:
+            problems.append(f"  job {job.label}: {err}")
+            continue
+        plans.append(plan)
+        for key in sorted(overridden & set(SLURM_KEYS)):
+            given = launcher.get(key)
+            if given is not None and int(given) < plan.slurm[key]:
+                problems.append(f"  job {job.label}: hydra.launcher.{key}={given} is below its plan's "
+                                f"{plan.slurm[key]}: raise it, or drop the override (python -m graft_exp.plan shows "
+                                "the plan)")
+    return plans, problems
+
+
 class FailureMonitor(threading.Thread):
     """Polls MLflow (and Slurm) for the jobs of a multirun; logs every start, finish and failure
     as it happens, with the log file of failed jobs."""
@@ -234,12 +293,33 @@ class LaunchCallback(Callback):
         if problems:
             fail_before_launch("invalid configuration, nothing launched:\n" + "\n".join(problems))
         stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
+        sharing = shared_gpus(config.cluster.name, jobs)
+        if sharing and config.cluster.name == "submitit_local":
+            fail_before_launch(f"nothing launched: cluster=submitit_local starts all {len(jobs)} jobs at once, and "
+                               f"{sharing}: launch them with cluster=local (one after another) or cluster=slurm")
+        overridden = {o.split("=", 1)[0].removeprefix("hydra.launcher.")
+                      for o in config.hydra.overrides.hydra if o.startswith("hydra.launcher.")}
+        _, problems = check_plans(jobs, set(), config.hydra.launcher, overridden)
+        if problems:   # before the store exists: a plan that cannot fit creates nothing
+            fail_before_launch("resource plan refused, nothing launched:\n" + "\n".join(problems))
         try:
             for uri, experiment in sorted(stores):
                 _experiments[(uri, experiment)] = tracking.ensure_store(uri, experiment)
         except tracking.TrackingError as err:
             fail_before_launch(f"nothing launched: {err}")
+        if config.cluster.name == "slurm":
+            # A job whose other member's shared baseline already finished asks for its own pool only.
+            plans, _ = check_plans(jobs, finished_keys({uri for uri, _ in stores}), config.hydra.launcher, overridden)
+            request = slurm_request(plans, overridden)
+            with read_write(config.hydra.launcher):
+                config.hydra.launcher.update(request)
+            log.info("Slurm request per job: %s", ", ".join(f"{k}={v}" for k, v in request.items()))
         parallel = bool(config.cluster.parallel)
+        if parallel and sharing:
+            log.info("the %d jobs run one after another: %s", len(jobs), sharing)
+            with read_write(config.hydra.launcher):
+                config.hydra.launcher.n_jobs = 1
+            parallel = False
         if parallel and config.cluster.get("in_order_when_needed"):
             reasons = order_needs(jobs, {uri for uri, _ in stores})
             if reasons:

@@ -39,7 +39,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
-from graft_exp import tracking
+from graft_exp import resources, tracking
 from graft_exp.config import ConfigError, folder_problem, validate_job
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import SweepError, plan
@@ -47,11 +47,12 @@ from graft_exp.sweep.state import console, report, snapshot
 
 
 def invalid_jobs(sweep) -> list[str]:
-    """Every job's ``validate`` failure, before anything reads or creates the store."""
+    """Every job's ``validate`` or resource-plan failure, before anything reads or creates the store."""
     problems = []
     for sj in sweep.jobs:
         try:
             validate_job(sj.job.cfg)
+            resources.check(resources.job_plan(sj.job.cfg), sj.job.cfg)   # python -m graft_exp.plan's check
         except ConfigError as err:
             problems.append(f"  job #{sj.index} {sj.job.label}: {err}")
     return problems

@@ -28,11 +28,12 @@ from graft_exp.algorithms import sequence_log_prob_sums
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import verl_config
 from graft_exp.backends.verl.runtime import VerlModel, start_models
-from graft_exp.backends.verl.seeded_agent import SEED_COLUMN
+from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import ReceiverBatch, Scorer
 from graft_exp.objective import COUNT_METRICS, LossSpec
+from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
 
@@ -162,6 +163,10 @@ class VerlBackend:
         repeated = prompts.repeat(repeat_times=n, interleave=True)
         repeated.non_tensor_batch[SEED_COLUMN] = np.array([derive_seed(seed, i) for i in range(len(repeated))],
                                                           dtype=object)
+        stops = np.empty(len(repeated), dtype=object)   # one list per row (np.array would make a 2-D array)
+        for row in range(len(repeated)):
+            stops[row] = list(model.stop_ids)
+        repeated.non_tensor_batch[STOP_COLUMN] = stops
         out = model.generate(repeated, self.step, validate)
         return out, *vb.decode_responses(out, model.tokenizer, model.stop_ids)
 
@@ -227,11 +232,21 @@ class VerlBackend:
         """Save the weights under ``staged_best``; only ``save`` makes them part of a checkpoint, next to the
         driver's record of the best step, so a job killed in between resumes with the older pair."""
         shutil.rmtree(self.staged_best(role), ignore_errors=True)   # unlinks; a checkpoint's links stay intact
-        self.models[role].save(str(self.staged_best(role)), step)
+        self.models[role].save(str(self.staged_best(role)), step, BEST_CONTENTS)
 
     def restore_best(self, role: str) -> None:
         if self.staged_best(role).is_dir():   # no trained checkpoint was validated: the final weights stand
-            self.models[role].load(str(self.staged_best(role)))
+            self.models[role].load(str(self.staged_best(role)), BEST_CONTENTS)
+
+    def close(self) -> None:
+        """Stop every model's vLLM replicas and workers and leave Ray, so that the next job of this process (a
+        multirun on cluster=local) starts a Ray of its own instead of inheriting this one's placement groups."""
+        import ray
+
+        for model in self.models.values():
+            model.stop()
+        if ray.is_initialized():
+            ray.shutdown()
 
     def save(self, directory: Path, step: int) -> None:
         """Each model's state under ``directory/<role>`` and its staged best (hard links) under
@@ -267,15 +282,22 @@ def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
     from verl.utils import hf_tokenizer
 
     from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
-    from graft_exp.backends.verl.ray_slurm import start_local_ray
+    from graft_exp.backends.verl.ray_slurm import check_shared_paths, start_local_ray
 
     for role in roles:
         check_verl_loadable(model_path(cfg, role))
     backend = VerlBackend(cfg, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
-    start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=backend.dir, address=cfg.backend.ray_address,
-                    init_kwargs=ray_init_kwargs(backend.models[roles[0]].config))
+    # The GPUs of the pools this job starts: a single-model job whose other member's shared baseline already
+    # finished was allocated (resources.job_plan) and runs one pool only.
+    start_local_ray(num_gpus=len(roles) * int(cfg.backend.gpus_per_model), job_dir=backend.dir,
+                    address=cfg.backend.ray_address, init_kwargs=ray_init_kwargs(backend.models[roles[0]].config),
+                    num_cpus=len(os.sched_getaffinity(0)))
+    if int(cfg.backend.nnodes) > 1:
+        local_models = {f"model of {role}": model_path(cfg, role) for role in roles
+                        if os.path.isdir(model_path(cfg, role))}   # a hub id is fetched by each node itself
+        check_shared_paths({"checkpoint_root": str(run_dir)}, local_models)
     with_ref = backend.spec.needs_reference_model
     start_models(list(backend.models.values()), with_ref=with_ref)
     return backend

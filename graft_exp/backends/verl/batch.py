@@ -86,14 +86,36 @@ def row_tokens(batch: DataProto, row: int) -> tuple[list[int], list[int]]:
     return prompt, response
 
 
+#: An assistant message no chat template alters, to find what the template writes after it.
+_TURN_PROBE = "GRAFT_END_OF_TURN_PROBE"
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the tokenizer's chat template closes an assistant turn with (ChatML's ``<|im_end|>``,
+    Llama 3's ``<|eot_id|>``), or None (no template, or nothing special after the turn). A base model's
+    generation config names only its end-of-text token (Qwen3-1.7B-Base: ``<|endoftext|>``), yet prompted
+    through the template it ends its answer with the template's end-of-turn token and, not stopped there,
+    writes the next user turn itself."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"},
+                                          {"role": "assistant", "content": _TURN_PROBE}], tokenize=False)
+    after = text.rsplit(_TURN_PROBE, 1)[-1]
+    ids = tokenizer.encode(after, add_special_tokens=False) if after else []
+    first = next((i for i in ids if tokenizer.decode([i]).strip()), None)
+    return first if first is not None and first in tokenizer.all_special_ids else None
+
+
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """The ids a model stops generating on: its generation config's ``eos_token_id`` (an int or a list;
-    chat models list their end-of-turn token, e.g. ``<|im_end|>``, before ``<|endoftext|>``), then the
-    tokenizer's EOS if it is not among them. vLLM stops on the same set (it reads the generation config).
-    The first id is the one a peer copy of a finished response ends with (``retokenize``)."""
+    """The ids a model stops generating on: the chat template's end-of-turn token (``end_of_turn_id``), its
+    generation config's ``eos_token_id`` (an int or a list; chat models list their end-of-turn token, e.g.
+    ``<|im_end|>``, before ``<|endoftext|>``), then the tokenizer's EOS if it is not among them. vLLM gets the
+    same set with every request (``seeded_agent.STOP_COLUMN``). The first id is the one a peer copy of a
+    finished response ends with (``retokenize``): the end of the turn, as the receiver's own answers end."""
     ids: list[int] = []
     configured = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-    for value in ([configured] if isinstance(configured, int) else list(configured or [])) + [tokenizer.eos_token_id]:
+    for value in ([end_of_turn_id(tokenizer)] + ([configured] if isinstance(configured, int)
+                                                  else list(configured or [])) + [tokenizer.eos_token_id]):
         if value is not None and int(value) not in ids:
             ids.append(int(value))
     if not ids:

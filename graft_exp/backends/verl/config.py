@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from graft_exp.config import minibatch_prompts
 from graft_exp.methods import resolve
+from graft_exp.resources import LATEST_CONTENTS
 
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
@@ -143,10 +144,9 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
     peer_loss = resolve(method).peer_loss
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
     optimizer = {"adamw": "AdamW"}[str(train.optimizer).lower()]
-    kl_coef = float(method.hacpo.kl_coef) if peer_loss.kl_to_initial else float(train.kl_coef)
-    if method.co_train and not peer_loss.kl_to_initial and (float(train.kl_coef) or float(train.entropy_coef)):
-        raise ValueError("train.kl_coef / train.entropy_coef > 0 are verl's GRPO terms; the exchange methods' loss "
-                         "(graft_exp.backends.verl.loss) has no KL or entropy term (the paper uses none)")
+    # Every update goes through graft_exp's loss, whose only KL term is HACPO's (config.validate refuses
+    # train.kl_coef / train.entropy_coef > 0 on verl before any run exists).
+    kl_coef = float(method.hacpo.kl_coef) if peer_loss.kl_to_initial else 0.0
 
     steps = training_steps if training_steps is not None else train.max_steps
     total_updates = -1 if steps is None else int(steps) * optimizer_updates_per_step(cfg)   # -1: verl's "unknown"
@@ -206,11 +206,19 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
                 "fsdp_config": {
                     "param_offload": bool(backend.param_offload),
                     "optimizer_offload": bool(backend.optimizer_offload),
+                    # The FSDP engine computes in mixed_precision.param_dtype (bf16 when unset) over fp32 master
+                    # weights; it never reads fsdp_config.dtype. Gradients reduce and buffers stay in fp32.
+                    "mixed_precision": {"param_dtype": train.precision, "reduce_dtype": "fp32",
+                                        "buffer_dtype": "fp32"},
                     "dtype": dtype,
                 },
-                "checkpoint": {"save_contents": ["model", "optimizer", "extra", "hf_model"]},
+                # What resuming needs; no hf_model export (nothing reads it, and verl gathers the full model
+                # to rank 0 for it). The best checkpoint holds the model only (resources.BEST_CONTENTS).
+                "checkpoint": {"save_contents": list(LATEST_CONTENTS)},
             },
-            "ref": {"fsdp_config": {"param_offload": True}},
+            "ref": {"fsdp_config": {"param_offload": True, "mixed_precision": {"param_dtype": train.precision,
+                                                                                "reduce_dtype": "fp32",
+                                                                                "buffer_dtype": "fp32"}}},
             "rollout": {
                 "name": "vllm",
                 "mode": "async",

@@ -21,6 +21,7 @@ otherwise run any code sent to it. The token reaches the head, the workers and t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shlex
@@ -29,6 +30,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from graft_exp.resources import RAY_CPUS_PER_GPU
 
 RAY_PORT = 6379
 MODULE = "graft_exp.backends.verl.ray_slurm"
@@ -220,9 +223,10 @@ def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: in
 
 
 def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | None = None,
-                    init_kwargs: dict | None = None) -> None:
+                    init_kwargs: dict | None = None, num_cpus: int | None = None) -> None:
     """Connect to Ray for one job: ``address`` ("auto": the allocation's cluster) or a private Ray on
-    this node with ``num_gpus`` GPUs. A job spread over several Slurm nodes needs the sbatch script.
+    this node with ``num_gpus`` GPUs and ``num_cpus`` CPUs (the cores this process may use; Ray would count the
+    whole node's). A job spread over several Slurm nodes needs the sbatch script.
     ``init_kwargs``: ``config.ray_init_kwargs`` (verl's runtime environment; a private Ray's own temp dir).
 
     A private Ray authenticates with a new token in ``job_dir`` (``new_ray_token``). A cluster joined by
@@ -240,8 +244,66 @@ def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | No
     if int(os.environ.get("SLURM_NNODES", "1")) > 1:
         raise RuntimeError("this Slurm job spans several nodes but backend.ray_address is null: launch "
                            "multi-node verl jobs with `python -m graft_exp.backends.verl.ray_slurm`")
+    if num_cpus is not None:
+        if num_cpus < RAY_CPUS_PER_GPU * num_gpus:
+            # verl's placement groups would wait for the missing CPUs until the job's time limit.
+            raise RuntimeError(f"this job may use {num_cpus} CPUs, but verl's placement groups reserve "
+                               f"{RAY_CPUS_PER_GPU} per GPU ({RAY_CPUS_PER_GPU * num_gpus} for {num_gpus} GPUs): give "
+                               "it more (python -m graft_exp.plan shows what cluster=slurm requests)")
+        init_kwargs["num_cpus"] = num_cpus
     use_ray_token(new_ray_token(job_dir))
     ray.init(num_gpus=num_gpus, include_dashboard=False, **init_kwargs)
+
+
+def check_shared_paths(written: dict[str, str], read: dict[str, str]) -> None:
+    """Every node of the job's Ray cluster sees the directories this process sees: a marker written into each
+    of ``written`` (what -> directory) is read back on each node, and each of ``read`` (what -> directory, only
+    read, e.g. the model snapshots) exists there. Each rank writes its checkpoint shard under the run directory
+    and reads the model from ``backend.model_dir``, so several nodes need one shared filesystem."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = secrets.token_hex(8)
+    markers = {}
+    for what, directory in written.items():
+        os.makedirs(directory, exist_ok=True)
+        markers[what] = os.path.join(directory, f".graft-shared-{token}")
+        with open(markers[what], "w") as f:
+            f.write(token)
+
+    @ray.remote(num_cpus=0)
+    def unseen() -> tuple[str, list[str]]:
+        def reads(path: str) -> bool:
+            try:
+                with open(path) as f:
+                    return f.read() == token
+            except OSError:
+                return False
+        return socket.gethostname(), ([what for what, path in markers.items() if not reads(path)]
+                                      + [what for what, path in read.items() if not os.path.isdir(path)])
+
+    try:
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        found = ray.get([unseen.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                         for node in nodes])
+    finally:
+        for path in markers.values():
+            os.remove(path)
+    places = {**written, **read}
+    missing = [f"{host} does not see {', '.join(f'{w} ({places[w]})' for w in whats)}" for host, whats in found if whats]
+    if missing:
+        raise RuntimeError(f"{'; '.join(missing)}: the job's nodes need one shared filesystem for checkpoint_root "
+                           "and backend.model_dir (each rank writes its checkpoint shard and reads the model there)")
+
+
+def planned(overrides: list[str]) -> dict:
+    """The training job's resource plan (``python -m graft_exp.plan --json``), refused as launching refuses it."""
+    done = subprocess.run([sys.executable, "-m", "graft_exp.plan", "--json", *overrides], capture_output=True,
+                          text=True, check=False)
+    if done.returncode:
+        print(done.stderr.strip(), file=sys.stderr)
+        raise SystemExit(2)
+    return json.loads(done.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
                                port=args.port, jobs_dir=args.jobs_dir)
     except ValueError as err:
         parser.error(str(err))
+    plan = planned([*args.overrides, "backend=verl", f"backend.nnodes={args.nodes}", f"pair.gpus={args.gpus_per_node}"])
+    if plan["cpus"] > args.cpus_per_node:
+        parser.error(f"--cpus-per-node {args.cpus_per_node} is below the job's plan of {plan['cpus']} CPUs per node "
+                     f"(verl's placement groups alone take {plan['ray_cpus']}): raise --cpus-per-node")
     if not args.submit:
         print(script, end="")
         return 0

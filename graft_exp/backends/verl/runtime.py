@@ -22,9 +22,14 @@ goes through our loss (``loss.actor_loss``; single-model GRPO too, where it equa
 ``update_actor`` call per optimizer step, so verl's LR scheduler steps once per optimizer step.
 
 Checkpoints follow verl's trainer layout: ``<root>/global_step_<k>`` and the tracker file
-``latest_checkpointed_iteration.txt``, written after the save completes; ``latest`` and ``best`` are two
-roots, each keeping only its newest step (verl's own retention, ``max_ckpt_to_keep``, counts every save of
+``latest_checkpointed_iteration.txt``, written after the save completes; ``latest`` (model, optimizer, extra
+state) and ``best`` (the model only: ``resources.BEST_CONTENTS``) are two roots, each keeping only its newest
+step (verl's own retention, ``max_ckpt_to_keep``, counts every save of
 the worker's one checkpoint manager and would delete the other root's checkpoint).
+
+vLLM sleeps at level 1 while FSDP trains (its weights wait in host memory), so ``generate`` sends the
+trainer's weights only when they changed since the replicas last got them (``weights_version``); ``stop``
+kills the model's servers and workers at the end of the job.
 
 Nothing in this module has run on a GPU in this project's CI (no GPU there); ``tests/test_verl_*.py``
 cover the CPU-side pieces it calls (config, batches, layout, loss) and drive ``VerlModel`` over an
@@ -36,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -62,6 +69,7 @@ from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import JOB_TOKEN_ENV
 from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.objective import LossSpec
+from graft_exp.resources import LATEST_CONTENTS
 
 #: verl's prefix of the trainer -> vLLM weight-transfer socket (vllm_rollout.py / vllm_rollout/utils.py).
 ZMQ_PREFIX = "rl-colocate-zmq-"
@@ -82,15 +90,37 @@ def scoped_zmq_handle(handle: str, old_rank: int, offset: int, token: str) -> st
     return handle.replace(ZMQ_PREFIX, f"{ZMQ_PREFIX}{token}-", 1)
 
 
+@contextmanager
+def checkpoint_contents(manager, contents: Sequence[str]):
+    """verl's checkpoint ``manager`` saving and loading only ``contents`` (``model``, ``optimizer``, ``extra``)
+    for the duration: one worker-side manager serves both the latest checkpoint and the model-only best one."""
+    saved, loaded = manager.checkpoint_save_contents, manager.checkpoint_load_contents
+    manager.checkpoint_save_contents = manager.checkpoint_load_contents = list(contents)
+    try:
+        yield manager
+    finally:
+        manager.checkpoint_save_contents, manager.checkpoint_load_contents = saved, loaded
+
+
 class GraftActorWorker(ActorRolloutRefWorker):
-    """verl's actor-rollout(-ref) worker, plus the replica-rank shift of a second pool's rollout and the
-    job-scoped weight-transfer socket."""
+    """verl's actor-rollout(-ref) worker, plus the replica-rank shift of a second pool's rollout, the
+    job-scoped weight-transfer socket and checkpoints of chosen contents."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def isolate_rollout(self, offset: int) -> None:
         old = self.rollout.replica_rank
         self.rollout.replica_rank = old + offset
         self.rollout.zmq_handle = scoped_zmq_handle(self.rollout.zmq_handle, old, offset, os.environ[JOB_TOKEN_ENV])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint_contents(self, local_path: str, global_step: int, contents: list[str]) -> None:
+        with checkpoint_contents(self.actor.engine.checkpoint_manager, contents):
+            self.actor.save_checkpoint(local_path, None, global_step, max_ckpt_to_keep=None)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint_contents(self, local_path: str, contents: list[str]) -> None:
+        with checkpoint_contents(self.actor.engine.checkpoint_manager, contents):
+            self.actor.load_checkpoint(local_path, None, del_local_after_load=False)
 
 
 def _job_scoped_server(server: type) -> type:
@@ -100,6 +130,12 @@ def _job_scoped_server(server: type) -> type:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)   # sets VERL_RAY_JOB_ID; the engine's workers start later and inherit it
             os.environ["VERL_RAY_JOB_ID"] = scoped_job_id(os.environ["VERL_RAY_JOB_ID"], os.environ[JOB_TOKEN_ENV])
+
+        def _resolve_sleep_level(self) -> int:
+            # Level 1 keeps the weights in host memory while the trainer holds the GPU (level 2, verl's
+            # default, discards them), so a wake-up without a weight transfer serves the same weights
+            # (VerlModel.generate sends them only after they changed).
+            return 1
 
     JobScopedServer.__name__ = f"JobScoped{server.__name__}"
     return JobScopedServer
@@ -127,13 +163,13 @@ def offset_replica_class(base: type, offset: int) -> type:
     return OffsetReplica
 
 
-def save_checkpoint(wg, root: str, step: int) -> str:
-    """Save the worker group's model, optimizer and extra state as ``<root>/global_step_<step>``, then
-    point verl's tracker file at it and delete the root's older steps. A crash mid-save leaves the
+def save_checkpoint(wg, root: str, step: int, contents: Sequence[str] = LATEST_CONTENTS) -> str:
+    """Save the worker group's ``contents`` (model, optimizer, extra state) as ``<root>/global_step_<step>``,
+    then point verl's tracker file at it and delete the root's older steps. A crash mid-save leaves the
     previous checkpoint and tracker intact. verl's manager keeps every path (``max_ckpt_to_keep=None``):
     one manager serves both roots, and its retention would delete the other root's checkpoint."""
     path = os.path.join(root, f"global_step_{step}")
-    wg.save_checkpoint(path, None, step, max_ckpt_to_keep=None)
+    wg.save_checkpoint_contents(path, step, list(contents))
     tracker = get_checkpoint_tracker_filename(root)
     with open(tracker + ".tmp", "w") as f:
         f.write(str(step))
@@ -144,13 +180,14 @@ def save_checkpoint(wg, root: str, step: int) -> str:
     return path
 
 
-def load_checkpoint(wg, root: str) -> int:
-    """Load the newest checkpoint of ``root`` (verl's tracker file) into the worker group; its step."""
+def load_checkpoint(wg, root: str, contents: Sequence[str] = LATEST_CONTENTS) -> int:
+    """Load ``contents`` of the newest checkpoint of ``root`` (verl's tracker file) into the worker group;
+    its step."""
     path = find_latest_ckpt_path(root)
     if path is None:
         raise FileNotFoundError(f"no checkpoint under {root}: {get_checkpoint_tracker_filename(root)} or the step "
                                 "directory it names is missing")
-    wg.load_checkpoint(path, del_local_after_load=False)
+    wg.load_checkpoint_contents(path, list(contents))
     return int(Path(path).name.removeprefix("global_step_"))
 
 
@@ -169,6 +206,8 @@ class VerlModel:
     checkpoints: CheckpointEngineManager = None
     replicas: int = 0
     extra: dict = field(default_factory=dict)
+    weights_version: int = 0         # bumped by every change of the trainer's weights (update, load)
+    served_version: int | None = None   # the version the vLLM replicas hold (None: never sent)
 
     @property
     def gpus(self) -> int:
@@ -221,7 +260,11 @@ class VerlModel:
         prompts.meta_info.update({"global_steps": step, "validate": validate})
         workers = int(self.config.actor_rollout_ref.rollout.agent.num_workers)
         padded, pad_size = pad_dataproto_to_divisor(prompts, workers)
-        self.checkpoints.update_weights(step)
+        if self.served_version == self.weights_version:   # DAPO's refills, validation, evaluation runs
+            self.checkpoints.wake_up_replicas()
+        else:
+            self.checkpoints.update_weights(step)
+            self.served_version = self.weights_version
         try:
             out = self.agent_loop.generate_sequences(padded)
         finally:
@@ -269,16 +312,32 @@ class VerlModel:
                              seed=int(actor.data_loader_seed), dataloader_kwargs={"shuffle": False}, compute_loss=True,
                              temperature=float(self.config.actor_rollout_ref.rollout.temperature))
         output = self.wg.update_actor(td)
+        self.weights_version += 1
         return dict(tu.get(output, "metrics"))
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def save(self, root: str, step: int) -> str:
-        """Checkpoint under ``root`` (e.g. ``<run>/A/latest`` or ``<run>/A/best``); see ``save_checkpoint``."""
-        return save_checkpoint(self.wg, root, step)
+    def save(self, root: str, step: int, contents: Sequence[str] = LATEST_CONTENTS) -> str:
+        """Checkpoint ``contents`` under ``root`` (e.g. ``<run>/A/latest``, or ``<run>/A/best`` with
+        ``BEST_CONTENTS``); see ``save_checkpoint``."""
+        return save_checkpoint(self.wg, root, step, contents)
 
-    def load(self, root: str) -> int:
-        """Restore the newest checkpoint under ``root``; returns its step."""
-        return load_checkpoint(self.wg, root)
+    def load(self, root: str, contents: Sequence[str] = LATEST_CONTENTS) -> int:
+        """Restore ``contents`` of the newest checkpoint under ``root``; returns its step."""
+        step = load_checkpoint(self.wg, root, contents)
+        self.weights_version += 1
+        return step
+
+    def stop(self) -> None:
+        """Kill this model's vLLM servers and FSDP workers: their GPU memory is freed now, also on a Ray cluster
+        that outlives the job."""
+        if self.servers is None:   # not started here (attached to a worker group of the caller's)
+            return
+        for replica in self.servers.get_replicas():
+            for server in replica.servers:
+                ray.kill(server)
+        for worker in self.wg.workers:
+            ray.kill(worker)
+        self.servers = self.wg = self.agent_loop = self.checkpoints = None
 
 
 def resource_pools(models: list[VerlModel]) -> ResourcePoolManager:

@@ -8,6 +8,8 @@ engine's stream restarts). The backend puts a ``sample_seed`` column into each g
 from the run seed, the step and the row (``VerlBackend._generate``); this loop hands it to vLLM as the
 request's ``SamplingParams.seed``.
 
+The model's stop tokens travel the same way (``STOP_COLUMN``, SamplingParams.stop_token_ids).
+
 verl's agent-loop workers are Ray actors that never import this module: they find the loop through
 ``agent_loops.yaml`` (``rollout.agent.agent_loop_config_path``, set by ``config.verl_config``).
 """
@@ -21,12 +23,18 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 
 #: The generation batch's column of per-sample seeds.
 SEED_COLUMN = "sample_seed"
+#: The generation batch's column of the model's stop token ids (``batch.stop_token_ids``): vLLM stops only at
+#: the generation config's EOS by itself, and a base model's generation config names its end-of-text token,
+#: not the end-of-turn token its chat template closes an assistant turn with.
+STOP_COLUMN = "stop_token_ids"
 
 
 class SeededSingleTurnAgentLoop(SingleTurnAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         seed = kwargs.pop(SEED_COLUMN, None)
-        if seed is None:
-            raise ValueError(f"generation batch without its {SEED_COLUMN!r} column: vLLM would sample from the "
-                             "engine's launch seed")
-        return await super().run({**sampling_params, "seed": int(seed)}, **kwargs)
+        stops = kwargs.pop(STOP_COLUMN, None)
+        if seed is None or stops is None:
+            raise ValueError(f"generation batch without its {SEED_COLUMN!r} or {STOP_COLUMN!r} column: vLLM would "
+                             "sample from the engine's launch seed, or run past the end of the turn")
+        return await super().run({**sampling_params, "seed": int(seed), "stop_token_ids": [int(t) for t in stops]},
+                                 **kwargs)

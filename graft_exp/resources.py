@@ -1,0 +1,277 @@
+"""A job's resource plan: GPUs and nodes per model pool, host CPUs and memory, GPU memory per GPU, checkpoint
+contents and sizes, peak disk, and the Slurm request, from the composed config and the model sizes of
+``conf/catalog/sizes.yaml``. Pure arithmetic: nothing is downloaded, started or created.
+
+``python -m graft_exp.plan`` prints it; launching (``python -m graft_exp``, the multirun callback, the sweep
+tool, Slurm submission) runs ``check`` on the same plan before anything is created, and the Slurm request a
+job makes is ``Plan.slurm`` (``launching.callbacks``), so the plan shown is the request made.
+
+Sizes are GiB (2**30 bytes), written "GB" as Slurm and nvidia-smi do. Where a number is an estimate rather
+than a count, its docstring says what it leaves out. What verl 0.9.1 does that the numbers follow:
+
+- FSDP keeps fp32 master parameters (``fsdp_config.model_dtype: fp32``), fp32 gradients and AdamW's two
+  fp32 moments, sharded over the pool's ranks: 16 bytes per parameter, divided by the pool's GPUs. The
+  gradients stay allocated after the optimizer step until the next ``zero_grad``, and AdamW's moments exist
+  from the first step on, so both are resident while vLLM is awake from the second step on.
+- vLLM takes ``gpu_memory_utilization`` of the *whole* GPU when it wakes (weights, KV cache, activations),
+  whatever FSDP already holds on it.
+- Placement groups reserve ``ResourcePoolManager.max_colocate_count`` = 3 Ray CPUs with each GPU.
+- A model with tied embeddings is loaded in fp32 into host memory by *every* rank
+  (``get_init_weight_context_manager(use_meta_tensor=not tie_word_embeddings)``), not by rank 0 only.
+- A checkpoint's ``model`` and ``optimizer`` are the ranks' fp32 shards; ``hf_model`` is a bf16 export
+  gathered to rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from graft_exp.config import ConfigError, roles
+
+SIZES_FILE = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "sizes.yaml"
+GB = 2 ** 30
+
+#: What each checkpoint holds (verl's ``checkpoint.save_contents``). ``latest`` resumes a job, so it keeps the
+#: optimizer and the extra state (LR scheduler, RNG); ``best`` is only ever loaded as weights for the final
+#: evaluation. Nothing reads a ``hf_model`` export.
+LATEST_CONTENTS = ("model", "optimizer", "extra")
+BEST_CONTENTS = ("model",)
+#: Bytes per parameter of each checkpoint part (``extra`` is a few kB).
+CONTENT_BYTES = {"model": 4, "optimizer": 8, "extra": 0, "hf_model": 2}
+
+#: verl's Ray CPUs reserved with each GPU of a placement group.
+RAY_CPUS_PER_GPU = 3
+#: GPU memory neither FSDP nor vLLM's share accounts for: two CUDA contexts per GPU (the FSDP worker and the
+#: vLLM engine), NCCL buffers and allocator fragmentation.
+GPU_RESERVE_GB = 3.0
+#: Host memory per GPU for its processes (FSDP worker, vLLM engine core: Python, torch, CUDA runtime).
+HOST_PER_GPU_GB = 5.0
+#: Host memory per agent-loop worker (tokenizer, reward process) and for the driver process.
+HOST_PER_AGENT_WORKER_GB = 1.0
+HOST_DRIVER_GB = 4.0
+#: The tiny CPU pair on backend=local: one core, a few hundred MB (measured in the tiny study).
+LOCAL_CPUS, LOCAL_MEM_GB = 1, 2
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    tied_embeddings: bool
+
+
+@lru_cache(maxsize=1)
+def _sizes() -> dict:
+    return OmegaConf.to_container(OmegaConf.load(SIZES_FILE))
+
+
+def model_size(key: str) -> ModelSize:
+    """The catalog size of model ``key`` (``conf/catalog/sizes.yaml``)."""
+    if key not in _sizes():
+        raise ConfigError(f"model {key!r} has no size in conf/catalog/sizes.yaml: add its params, layers, hidden, "
+                          "vocab and tied_embeddings from its config.json")
+    return ModelSize(**_sizes()[key])
+
+
+def gb(n_bytes: float) -> float:
+    return round(n_bytes / GB, 1)
+
+
+@dataclass
+class GpuMemory:
+    """Per GPU of one pool, GB. ``vllm`` is ``gpu_memory_utilization`` x ``gpu`` (None when the GPU size is not
+    given); ``rollout`` = FSDP state + vLLM's share + reserve (vLLM awake), ``train`` = FSDP state +
+    activations + reserve (vLLM asleep)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    vllm_fraction: float
+    vllm: float | None
+    rollout: float | None
+    train: float
+    gpu: float | None
+
+
+@dataclass
+class Pool:
+    role: str
+    model: str
+    gpus_per_node: int
+    nnodes: int
+    rollout_tp: int
+    replicas: int
+    gpu_mem_gb: GpuMemory
+    host_mem_gb: float          # steady host memory of the pool (vLLM's sleeping weights, offloads, processes)
+    load_host_mem_gb: float     # transient, while verl loads the model on every rank
+
+
+@dataclass
+class Checkpoint:
+    contents: list[str]
+    gb: float
+
+
+@dataclass
+class Plan:
+    """One job's resources. ``gpus``/``cpus``/``host_mem_gb`` are per node; ``slurm`` is the request."""
+
+    backend: str
+    nnodes: int
+    gpus: int
+    cpus: int
+    ray_cpus: int
+    host_mem_gb: float
+    pools: list[Pool]
+    checkpoint: dict[str, Checkpoint]
+    peak_disk_gb: float
+    slurm: dict
+    trained: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_mem_gb(self) -> dict[str, GpuMemory]:
+        return {pool.role: pool.gpu_mem_gb for pool in self.pools}
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["gpu_mem_gb"] = {role: asdict(memory) for role, memory in self.gpu_mem_gb.items()}
+        return out
+
+
+def fsdp_bytes_per_param(backend: DictConfig) -> dict[str, int]:
+    """Bytes per parameter each GPU-resident FSDP state takes over the whole pool (divide by its GPUs):
+    fp32 master parameters and gradients (on the host with ``param_offload``), AdamW's two fp32 moments (on
+    the host with ``optimizer_offload``)."""
+    on_gpu = not backend.param_offload
+    return {"params": 4 * on_gpu, "grads": 4 * on_gpu, "optimizer": 8 * (not backend.optimizer_offload)}
+
+
+def activations_bytes(size: ModelSize, tokens: int) -> int:
+    """Training activations of one micro-batch of ``tokens`` (``max_token_len_per_gpu``), an estimate: the
+    fp32 logits over the vocabulary (the log-probs are computed from them) and, with gradient checkpointing,
+    one bf16 hidden state per layer. A layer's own recomputed activations are left out (small beside these)."""
+    return tokens * size.vocab * 4 + tokens * size.hidden * 2 * size.layers
+
+
+def checkpoint_gb(params: int, contents: Sequence[str]) -> float:
+    return gb(params * sum(CONTENT_BYTES[c] for c in contents))
+
+
+def _pool(cfg: DictConfig, role: str, gpu_size: float | None) -> Pool:
+    backend = cfg.backend
+    key = cfg.pair[role]
+    size = model_size(key)
+    world = int(backend.gpus_per_model) * int(backend.nnodes)
+    per_param = fsdp_bytes_per_param(backend)
+    states = {name: gb(size.params * b / world) for name, b in per_param.items()}
+    activations = gb(activations_bytes(size, int(backend.max_token_len_per_gpu)))
+    fraction = float(backend.gpu_memory_utilization)
+    vllm = None if gpu_size is None else round(fraction * gpu_size, 1)
+    resident = sum(states.values()) + GPU_RESERVE_GB
+    memory = GpuMemory(**states, activations=activations, vllm_fraction=fraction, vllm=vllm,
+                       rollout=None if vllm is None else round(resident + vllm, 1),
+                       train=round(resident + activations, 1), gpu=gpu_size)
+    tp = int(backend.rollout_tp)
+    replicas = world // tp
+    # vLLM sleeps at level 1 (its weights wait in host memory, bf16: a full copy per replica); offloaded
+    # FSDP state lives on the host too; each node holds its share of the pool.
+    offloaded = size.params * (8 * bool(backend.param_offload) + 8 * bool(backend.optimizer_offload))
+    nnodes = int(backend.nnodes)
+    steady = (2 * size.params * replicas + offloaded) / nnodes + HOST_PER_GPU_GB * GB * int(backend.gpus_per_model)
+    load = 4 * size.params * (int(backend.gpus_per_model) if size.tied_embeddings else 1)
+    return Pool(role=role, model=key, gpus_per_node=int(backend.gpus_per_model), nnodes=nnodes, rollout_tp=tp,
+                replicas=replicas, gpu_mem_gb=memory, host_mem_gb=gb(steady), load_host_mem_gb=gb(load))
+
+
+def round_up(value: float, step: int) -> int:
+    return int(math.ceil(value / step) * step)
+
+
+def job_plan(cfg: DictConfig, trained: Sequence[str] | None = None) -> Plan:
+    """The plan of the job ``cfg`` training the roles ``trained`` (default: all; a single-model job whose
+    other member's shared GRPO baseline already finished trains only the rest, and asks only for their
+    GPUs). ``cluster.gpu_mem_gb`` (the GPUs' memory, when given) enables the GPU-memory check."""
+    trained = list(trained if trained is not None else roles(cfg.pair))
+    if cfg.backend.name != "verl":
+        slurm = {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": LOCAL_CPUS, "mem_gb": LOCAL_MEM_GB}
+        return Plan(backend=cfg.backend.name, nnodes=1, gpus=0, cpus=LOCAL_CPUS, ray_cpus=0, host_mem_gb=LOCAL_MEM_GB,
+                    pools=[], checkpoint={}, peak_disk_gb=0.0, slurm=slurm, trained=trained,
+                    notes=["backend=local: the tiny CPU models, checkpoints of a few MB"])
+    backend = cfg.backend
+    gpu_size = cfg.cluster.get("gpu_mem_gb")
+    gpu_size = None if gpu_size is None else float(gpu_size)
+    pools = [_pool(cfg, role, gpu_size) for role in trained]
+    nnodes = int(backend.nnodes)
+    gpus = len(pools) * int(backend.gpus_per_model)
+    ray_cpus = RAY_CPUS_PER_GPU * gpus
+    # Each agent-loop worker tokenizes and scores on a core of its own; one more for the driver process.
+    cpus = ray_cpus + int(backend.agent_workers) * len(pools) + 1
+    host = (sum(p.host_mem_gb for p in pools) + max(p.load_host_mem_gb for p in pools) / nnodes
+            + HOST_PER_AGENT_WORKER_GB * int(backend.agent_workers) * len(pools) + HOST_DRIVER_GB)
+    params = sum(model_size(p.model).params for p in pools)
+    checkpoint = {"latest": Checkpoint(list(LATEST_CONTENTS), checkpoint_gb(params, LATEST_CONTENTS)),
+                  "best": Checkpoint(list(BEST_CONTENTS), checkpoint_gb(params, BEST_CONTENTS))}
+    slurm = {"nodes": nnodes, "gpus_per_node": gpus, "cpus_per_task": cpus, "mem_gb": round_up(host, 8)}
+    notes = []
+    if nnodes > 1:
+        notes.append(f"{nnodes} nodes: every pool spans every node; checkpoint_root ({cfg.checkpoint_root}) and "
+                     f"backend.model_dir ({backend.model_dir}) must be one shared filesystem that every node "
+                     "sees (each rank writes its checkpoint shard and reads the model there)")
+    return Plan(backend="verl", nnodes=nnodes, gpus=gpus, cpus=cpus, ray_cpus=ray_cpus, host_mem_gb=round(host, 1),
+                pools=pools, checkpoint=checkpoint, peak_disk_gb=peak_disk_gb(params), slurm=slurm,
+                trained=trained, notes=notes)
+
+
+def peak_disk_gb(params: int, latest: Sequence[str] = LATEST_CONTENTS, best: Sequence[str] = BEST_CONTENTS) -> float:
+    """Peak disk of a job's checkpoints (``driver.save_checkpoint``): the previous checkpoint stays until the
+    new one is renamed into place (two ``latest``), and when the best step moved, the previous checkpoint's
+    best (hard links) and the newly staged one are both on disk (two ``best``)."""
+    return round(2 * checkpoint_gb(params, latest) + 2 * checkpoint_gb(params, best), 1)
+
+
+def check(plan: Plan, cfg: DictConfig) -> None:
+    """Refuse a plan that cannot run, in one line that says what to change."""
+    if plan.backend != "verl":
+        return
+    train, backend = cfg.train, cfg.backend
+    sequence = int(train.max_prompt_length) + int(train.max_response_length)
+    if int(backend.max_token_len_per_gpu) < sequence:
+        # verl's dynamic micro-batching asserts on the first sequence longer than its token budget.
+        raise ConfigError(f"backend.max_token_len_per_gpu={backend.max_token_len_per_gpu} is below one sequence of "
+                          f"train.max_prompt_length + train.max_response_length = {sequence} tokens: raise "
+                          f"backend.max_token_len_per_gpu to at least {sequence}")
+    for pool in plan.pools:
+        memory = pool.gpu_mem_gb
+        if memory.gpu is None:
+            continue
+        fsdp = memory.params + memory.grads + memory.optimizer
+        if memory.rollout > memory.gpu:
+            fits = math.floor((memory.gpu - fsdp - GPU_RESERVE_GB) / memory.gpu * 20) / 20
+            advice = (f"lower backend.gpu_memory_utilization to {fits:.2f}" if fits >= 0.1 else
+                      "set backend.optimizer_offload=true")
+            raise ConfigError(
+                f"backend.gpu_memory_utilization={memory.vllm_fraction} of a {memory.gpu:g} GB GPU ({memory.vllm} GB "
+                f"for vLLM) plus {pool.model}'s FSDP state from step 2 ({fsdp:.1f} GB per GPU: parameters, gradients, "
+                f"AdamW) and {GPU_RESERVE_GB:g} GB reserve is {memory.rollout} GB > {memory.gpu:g} GB: {advice}, or "
+                "raise backend.gpus_per_model")
+        weights = gb(2 * model_size(pool.model).params / pool.rollout_tp)
+        if memory.vllm < weights + 1:
+            raise ConfigError(
+                f"backend.gpu_memory_utilization={memory.vllm_fraction} gives vLLM {memory.vllm} GB per GPU, not "
+                f"enough for {pool.model}'s bf16 weights ({weights} GB per GPU at rollout_tp={pool.rollout_tp}) and a "
+                "KV cache: raise backend.gpu_memory_utilization or backend.rollout_tp")
+        if memory.train > memory.gpu:
+            raise ConfigError(
+                f"{pool.model} needs {memory.train} GB per GPU to train (FSDP state {fsdp:.1f} GB, activations of "
+                f"backend.max_token_len_per_gpu={cfg.backend.max_token_len_per_gpu} tokens {memory.activations} GB) > "
+                f"{memory.gpu:g} GB: lower backend.max_token_len_per_gpu or raise backend.gpus_per_model")

@@ -1,0 +1,166 @@
+"""The resource plan (graft_exp.resources, python -m graft_exp.plan) and the launch checks built on it: the
+Slurm request follows from the members a job trains, a plan that cannot fit is refused in one line before
+anything is created, and the numbers come from the catalog's sizes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from graft_exp import resources
+from graft_exp.backends.verl.ray_slurm import start_local_ray
+from graft_exp.config import ConfigError
+from graft_exp.launching.callbacks import PlannedJob, check_plans, shared_gpus, slurm_request, trained_roles
+from graft_exp.plan import main as plan_main
+from graft_exp.tracking import model_run_key
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plan(compose_cfg, *overrides, trained=None):
+    cfg = compose_cfg("backend=verl", *overrides)
+    return cfg, resources.job_plan(cfg, trained)
+
+
+def test_pair1_and_trio_ask_slurm_for_what_their_members_need(compose_cfg):
+    """pair1: two pools of 2 GPUs; trio: three, whose placement groups alone reserve 3 Ray CPUs per GPU = 18
+    (the old cluster.resources default asked for 8 CPUs and 64 GB for any pair not listed by name)."""
+    _, pair1 = _plan(compose_cfg, "pair=pair1")
+    assert pair1.slurm == {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 29, "mem_gb": 72}
+    _, trio = _plan(compose_cfg, "group=trio")
+    assert [p.model for p in trio.pools] == ["smollm3-3b-base", "qwen3-1.7b-base", "octothinker-3b-hybrid-base"]
+    assert trio.ray_cpus == 18 and trio.slurm["gpus_per_node"] == 6
+    assert trio.slurm["cpus_per_task"] >= trio.ray_cpus + 3 * 8     # + one core per agent-loop worker
+    assert trio.slurm["mem_gb"] >= trio.host_mem_gb > pair1.host_mem_gb
+    jobs = [PlannedJob(0, ["group=trio"], compose_cfg("backend=verl", "group=trio", "cluster=slurm"))]
+    plans, problems = check_plans(jobs, set(), OmegaConf.create({}), set())
+    assert not problems and slurm_request(plans, set()) == {"gpus_per_node": 6, "cpus_per_task": 43, "mem_gb": 104}
+
+
+def test_overridden_slurm_request_below_the_plan_is_refused(compose_cfg):
+    jobs = [PlannedJob(0, ["group=trio"], compose_cfg("backend=verl", "group=trio", "cluster=slurm"))]
+    launcher = OmegaConf.create({"cpus_per_task": 8})
+    plans, problems = check_plans(jobs, set(), launcher, {"cpus_per_task"})
+    assert len(problems) == 1 and "hydra.launcher.cpus_per_task=8 is below its plan's 43" in problems[0]
+    assert slurm_request(plans, {"cpus_per_task"}) == {"gpus_per_node": 6, "mem_gb": 104}   # the user's key stays
+
+
+def test_job_whose_other_member_finished_asks_for_its_own_pool(compose_cfg):
+    """A GRPO baseline job of pair1 whose smollm3 baseline (shared with pair3) is FINISHED trains qwen3 only:
+    one pool of backend.gpus_per_model GPUs, not pair.gpus."""
+    cfg = compose_cfg("backend=verl", "pair=pair1", "method=grpo_n8")
+    finished = {model_run_key(cfg, "A")}
+    assert trained_roles(cfg, finished) == ["B"]
+    plan = resources.job_plan(cfg, trained_roles(cfg, finished))
+    assert plan.slurm["gpus_per_node"] == 2 and [p.model for p in plan.pools] == ["qwen3-1.7b-base"]
+    assert trained_roles(cfg, set()) == ["A", "B"]
+    co_trained = compose_cfg("backend=verl", "pair=pair1", "method=graft")   # co-trained members need each other
+    assert trained_roles(co_trained, {model_run_key(co_trained, "A")}) == ["A", "B"]
+
+
+def test_checkpoints_hold_what_resuming_needs(compose_cfg):
+    """latest: model + optimizer + extra; best: the model only; no hf_model export. For pair1 (4.80 B
+    parameters) the peak disk of a job falls from 250 GB (every save with hf_model and optimizer) to 143 GB."""
+    _, plan = _plan(compose_cfg, "pair=pair1")
+    params = 3075098624 + 1720574976
+    assert plan.checkpoint["latest"].contents == ["model", "optimizer", "extra"]
+    assert plan.checkpoint["best"].contents == ["model"]
+    assert plan.checkpoint["latest"].gb == resources.gb(12 * params) and plan.checkpoint["best"].gb == resources.gb(4 * params)
+    before = ("model", "optimizer", "extra", "hf_model")
+    assert resources.peak_disk_gb(params, before, before) == 250.0
+    assert plan.peak_disk_gb == 143.0
+
+
+def test_gpu_memory_over_committed_from_step_two_is_refused_with_a_utilization_that_fits(compose_cfg):
+    """0.6 of a 40 GB GPU for vLLM next to smollm3's sharded fp32 parameters, gradients and AdamW state
+    (22.9 GB per GPU on 2 GPUs) does not fit; the utilization the refusal names does; 80 GB GPUs fit."""
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=40")
+    assert plan.gpu_mem_gb["A"].params + plan.gpu_mem_gb["A"].grads + plan.gpu_mem_gb["A"].optimizer == pytest.approx(22.9)
+    with pytest.raises(ConfigError, match=r"lower backend.gpu_memory_utilization to 0\.35") as err:
+        resources.check(plan, cfg)
+    assert "\n" not in str(err.value)
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=40", "backend.gpu_memory_utilization=0.35")
+    resources.check(plan, cfg)
+    cfg, plan = _plan(compose_cfg, "group=trio", "cluster.gpu_mem_gb=80")
+    resources.check(plan, cfg)
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=80", "backend.gpu_memory_utilization=0.04")
+    with pytest.raises(ConfigError, match="not enough for smollm3-3b-base's bf16 weights"):
+        resources.check(plan, cfg)
+
+
+def test_token_budget_below_one_sequence_is_refused(compose_cfg):
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "train.max_response_length=16000")
+    with pytest.raises(ConfigError, match="backend.max_token_len_per_gpu=16384 is below one sequence .* 18048"):
+        resources.check(plan, cfg)
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "train.max_response_length=16000", "backend.max_token_len_per_gpu=18048")
+    resources.check(plan, cfg)
+
+
+def test_several_nodes_state_the_shared_filesystem(compose_cfg):
+    _, plan = _plan(compose_cfg, "pair=pair1", "backend.nnodes=2")
+    assert any("shared filesystem" in note and "checkpoint_root" in note and "model_dir" in note for note in plan.notes)
+    assert not _plan(compose_cfg, "pair=pair1")[1].notes
+
+
+def test_verl_multirun_on_this_machine_does_not_share_gpus(compose_cfg):
+    verl = [PlannedJob(i, [f"seed={i}"], compose_cfg("backend=verl", "pair=pair1", f"seed={i}")) for i in range(2)]
+    tiny = [PlannedJob(i, [f"seed={i}"], compose_cfg(f"seed={i}")) for i in range(2)]
+    assert "2 backend=verl jobs" in shared_gpus("local", verl)
+    assert "2 backend=verl jobs" in shared_gpus("submitit_local", verl)
+    assert shared_gpus("slurm", verl) is None and shared_gpus("local", tiny) is None
+    assert shared_gpus("local", verl[:1]) is None
+
+
+def test_private_ray_without_the_placement_groups_cpus_is_refused(tmp_path):
+    """verl reserves 3 CPUs per GPU: a job with fewer would wait in pg.ready() until its time limit."""
+    with pytest.raises(RuntimeError, match="reserve 3 per GPU .12 for 4 GPUs."):
+        start_local_ray(num_gpus=4, job_dir=tmp_path, num_cpus=8)
+    assert not (tmp_path / "ray_auth_token").exists()   # refused before anything was started or written
+
+
+def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert plan_main(["--json", "backend=verl", "pair=pair1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {"gpus", "cpus", "host_mem_gb", "slurm", "pools", "checkpoint", "peak_disk_gb", "gpu_mem_gb"} <= set(plan)
+    assert plan["checkpoint"]["best"] == {"contents": ["model"], "gb": 17.9}
+    assert set(plan["gpu_mem_gb"]) == {"A", "B"} and plan["gpu_mem_gb"]["A"]["optimizer"] == 11.5
+    assert list(tmp_path.iterdir()) == []   # nothing created (no store, no checkpoint root)
+    assert plan_main(["backend=verl", "pair=pair1", "seed=0,1"]) == 2   # one job: Hydra's first line, no traceback
+    assert capsys.readouterr().err == ("plan: Ambiguous value for argument 'seed=0,1' (the overrides of one job, "
+                                       "as for python -m graft_exp)\n")
+    done = subprocess.run([sys.executable, "-m", "graft_exp.plan", "backend=verl", "pair=pair1",
+                           "cluster.gpu_mem_gb=40"], check=False, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]   # one line
+    assert done.stderr.startswith("plan refused: backend.gpu_memory_utilization=0.6 of a 40 GB GPU")
+    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=72G" in done.stdout
+
+
+def test_launch_callback_sets_the_slurm_request_from_the_plans(tmp_path):
+    """The multirun callback (cluster=slurm, before submission): the array's request is the jobs' plan; the
+    tiny pair's is 1 CPU, 2 GB and no GPU; a key the user set stays as set."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict, read_write
+
+    from graft_exp.launching.callbacks import LaunchCallback
+
+    def launched(*overrides):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", return_hydra_config=True,
+                          overrides=["cluster=slurm", f"tracking.uri=sqlite:///{tmp_path}/store.db",
+                                     f"checkpoint_root={tmp_path}/ckpt", *overrides])
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.sweeper.params = {"seed": "0,1"}
+                cfg.hydra.overrides.hydra = [o for o in overrides if o.startswith("hydra.")]
+            callback = LaunchCallback()
+            callback.on_multirun_start(cfg)
+            callback.on_multirun_end(cfg)
+        launcher = cfg.hydra.launcher
+        return launcher.gpus_per_node, launcher.cpus_per_task, launcher.mem_gb
+
+    assert launched() == (0, 1, 2)
+    assert launched("hydra.launcher.mem_gb=4") == (0, 1, 4)
