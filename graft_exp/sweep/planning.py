@@ -29,9 +29,13 @@ def _override(key: str, value) -> str:
     return f"{key}={value}"
 
 
+#: Grid keys that are not Hydra overrides: ``after`` (jobs needed first) and ``compute_of`` (equal compute).
+PLAN_KEYS = ("after", "compute_of")
+
+
 def expand(grid: dict) -> list[tuple[str, ...]]:
-    """The jobs of one grid (without ``after``), in the order its keys and values are written."""
-    keys = [k for k in grid if k != "after"]
+    """The jobs of one grid (without ``after`` / ``compute_of``), in the order its keys and values are written."""
+    keys = [k for k in grid if k not in PLAN_KEYS]
     values = [_as_list(grid[k]) for k in keys]
     return [tuple(_override(k, v) for k, v in zip(keys, combo)) for combo in itertools.product(*values)]
 
@@ -72,14 +76,22 @@ def load(path: Path) -> dict:
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or "study" not in spec or "runs" not in spec:
         raise SweepError(f"{path}: a sweep file needs `study:` and `runs:` (a list of override grids)")
+    for grid in spec["runs"]:
+        ref = grid.get("compute_of")
+        if ref is not None and not (isinstance(ref, dict) and ref):
+            raise SweepError(f"{path}: compute_of={ref!r} must map keys to the reference job's values, "
+                             "e.g. compute_of: {method: grpo_n8}")
+        if ref and "train.max_gpu_hours" in grid:
+            raise SweepError(f"{path}: a grid sets both compute_of and train.max_gpu_hours; keep one of them")
     return spec
 
 
-def plan(path: Path, overrides: list[str], composer: Composer | None = None) -> Sweep:
-    """Compose every job of the sweep file ``path`` with the command-line ``overrides``."""
-    spec = load(path)
+def plan(path: Path, overrides: list[str], composer: Composer | None = None, spec: dict | None = None) -> Sweep:
+    """Compose every job of the sweep file ``path`` (or of ``spec``, a sweep file's content: a round of
+    ``--until-decided``) with the command-line ``overrides``."""
+    spec = spec or load(path)
     study = str(spec["study"])
-    swept = {"study", *(k for grid in spec["runs"] for k in grid if k != "after")}
+    swept = {"study", *(k for grid in spec["runs"] for k in grid if k not in PLAN_KEYS)}
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in swept:
@@ -101,6 +113,12 @@ def plan(path: Path, overrides: list[str], composer: Composer | None = None) -> 
         for grid in spec["runs"]:
             for ovs in expand(grid):
                 deps = [add(replace(ovs, change)) for change in _as_list(grid.get("after") or [])]
+                if grid.get("compute_of"):
+                    # Equal compute: the budget is the reference job's charged cost, known once it has
+                    # finished, so the job names the reference's key (its identity) and runs after it.
+                    reference = add(replace(ovs, grid["compute_of"]))
+                    deps.append(reference)
+                    ovs = (*ovs, f"train.gpu_hours_of={reference}")
                 key = add(ovs)
                 after.setdefault(key, []).extend(d for d in deps if d != key)
         uri = composer.base.tracking.uri
