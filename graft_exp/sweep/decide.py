@@ -111,6 +111,7 @@ class Round:
 
     index: int
     seeds: dict[str, list[int]]                  # method -> seeds whose scores this look used
+    scores: dict[str, list[float]]               # method -> those seeds' scores (points), in that order
     decisions: dict[str, str]                    # comparison label -> better/worse/equivalent/undecided/continue
     intervals: dict[str, tuple[float, float]]
     mean_diff: dict[str, float]
@@ -124,7 +125,8 @@ class Round:
 class Decider:
     """AdaStop over the family of comparisons, fed one round of seeds at a time.
 
-    ``look(scores)``: ``scores[method][seed]`` (points) for every seed run so far; returns the round's record.
+    ``look(seeds, scores)``: ``scores[method][seed]`` (points) of the round's jobs (earlier rounds' are kept);
+    returns the round's record.
     Deterministic: the same scores and ``Settings.seed`` give the same decisions (a restarted sweep replays
     its rounds from MLflow and reaches the same state)."""
 
@@ -138,6 +140,7 @@ class Decider:
             comparisons=np.array([(index[a], index[b]) for a, b in s.comparisons]))
         self.rounds: list[Round] = []
         self.seeds: list[int] = []
+        self.scores: dict[str, dict[int, float]] = {}
 
     def active(self) -> list[tuple[str, str]]:
         return [pair for pair in self.s.comparisons if self.decision(pair) == CONTINUE]
@@ -149,6 +152,9 @@ class Decider:
         """The next round: ``seeds`` are this round's new seeds (every method still compared has them)."""
         s, k = self.s, len(self.rounds)
         self.seeds += seeds
+        for method, by_seed in scores.items():   # a round's sweep reads only its own jobs' scores
+            self.scores.setdefault(method, {}).update(by_seed)
+        scores = self.scores
         needed = {m for pair in self.active() for m in pair} if self.rounds else set(s.methods)
         # A method no longer compared keeps the values it had; AdaStop reads only those of live comparisons.
         used = {m: [x for x in self.seeds if x in scores.get(m, {})] if m in needed else
@@ -176,7 +182,8 @@ class Decider:
                 decisions[label] = EQUIVALENT if -s.margin < lo and hi < s.margin else UNDECIDED
             else:
                 decisions[label] = CONTINUE
-        record = Round(k, {m: list(used[m]) for m in s.methods}, decisions, intervals, means)
+        record = Round(k, {m: list(used[m]) for m in s.methods}, {m: values[m].tolist() for m in s.methods},
+                       decisions, intervals, means)
         self.rounds.append(record)
         if self.active():
             record.next_seeds = list(range(max(self.seeds) + 1, max(self.seeds) + 1 + s.per_round))
