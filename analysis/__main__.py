@@ -1,4 +1,4 @@
-"""``python -m analysis {tables,figures,compare,readme}``: the paper's tables and figures from MLflow.
+"""``python -m analysis {tables,figures,compare,decisions,readme}``: the paper's tables and figures from MLflow.
 
 ``readme`` rebuilds a README's seed-study section from what ``tables`` and ``figures`` wrote into ``--out``
 (:mod:`analysis.readme`).
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table as RichTable
 
-from analysis import compare, figures, readme, render, tables
+from analysis import compare, decisions, figures, readme, render, tables
 from analysis.results import Analysis
 from analysis.store import ANALYSIS_TAG, StoreUnavailable, load_store
 
@@ -125,6 +125,17 @@ def cmd_compare(args) -> None:
     console.print(f"compared {frame['ours'].notna().sum()} of {len(frame)} paper cells; wrote {paths[0]}")
 
 
+def cmd_decisions(args) -> None:
+    client = MlflowClient(args.tracking_uri)
+    paths = decisions.write(client, args.experiment, args.out, args.reference)
+    if not paths:
+        raise StoreUnavailable(f"no until-decided sweep run and no equal-compute job in {args.experiment or 'graft/*'}: "
+                               "run `python -m graft_exp.sweep SWEEP --until-decided` or a sweep with compute_of first")
+    for path in paths:
+        if path.suffix == ".md":
+            console.print(f"[bold]{path}[/]\n{path.read_text()}", soft_wrap=True)
+
+
 def cmd_readme(args) -> None:
     path = readme.write(args.out, args.readme, args.section)
     console.print(f"rebuilt the {args.section} section of {path} from {args.out}")
@@ -138,6 +149,8 @@ def parser() -> argparse.ArgumentParser:
         "figures": (cmd_figures, "write every figure as PNG and PDF"),
         "compare": (cmd_compare, ("each regenerated cell beside the paper's value (reads OUT/<label>.csv "
                                  "unless --tracking-uri is given)")),
+        "decisions": (cmd_decisions, ("each comparison's verdict from a --until-decided sweep (with rliable's "
+                                      "P(improve) and IQM), and scores at equal compute beside equal steps")),
         "readme": (cmd_readme, "rebuild a README's seed-study section from the tables and figures in OUT"),
     }
     for name, (handler, help_text) in specs.items():
@@ -155,6 +168,11 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("--experiment", action="append",
                              help="experiment name to read (repeatable; default: every experiment named graft/*)")
         command.add_argument("--out", type=Path, required=True, help="output directory")
+        if name == "decisions":
+            command.add_argument("--reference", default="grpo_n8",
+                                 help="the equal-compute table's reference method (whose cost is the budget)")
+            command.set_defaults(handler=handler)
+            continue
         if name != "compare":
             command.add_argument("--log-to-mlflow", action="store_true",
                                  help="also log the outputs as artifacts of an analysis run in the experiment read")

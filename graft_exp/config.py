@@ -110,6 +110,8 @@ class TrainConfig:
     ppo_epochs: int = MISSING
     total_epochs: int = MISSING
     max_steps: int | None = None   # null: total_epochs over the training split
+    max_gpu_hours: float | None = None   # stop once the job's cost/gpu_hours reaches it (equal compute)
+    gpu_hours_of: str | None = None      # a run key: max_gpu_hours = that finished job's cost/gpu_hours
     optimizer: str = MISSING
     lr: float = MISSING
     lr_warmup_steps: int = MISSING
@@ -300,6 +302,7 @@ def validate_train_eval(cfg: DictConfig) -> None:
               "max_prompt_length", "max_response_length", "save_every")
     _at_least(train, "train", 1, "max_steps", optional=True)
     _at_least(train, "train", 0, "lr_warmup_steps")
+    validate_budget(train)
     _positive(train, "train", "lr", "grad_clip")
     _non_negative(train, "train", "weight_decay", "kl_coef", "entropy_coef")
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
@@ -318,6 +321,18 @@ def validate_train_eval(cfg: DictConfig) -> None:
     if cfg.pair.train_size is not None and cfg.pair.train_size < train.batch_prompts:
         raise ConfigError(f"pair.train_size={cfg.pair.train_size} is smaller than train.batch_prompts="
                           f"{train.batch_prompts}: an epoch would have no full batch")
+
+
+def validate_budget(train: DictConfig) -> None:
+    """An equal-compute budget: a positive ``train.max_gpu_hours`` or a reference run's key, not both."""
+    if train.max_gpu_hours is not None and not train.max_gpu_hours > 0:
+        raise ConfigError(f"train.max_gpu_hours={train.max_gpu_hours} must be > 0 GPU-hours "
+                          "(or null: no budget, train.max_steps alone ends the run)")
+    if train.max_gpu_hours is not None and train.gpu_hours_of is not None:
+        raise ConfigError(f"train.max_gpu_hours={train.max_gpu_hours} and train.gpu_hours_of="
+                          f"{train.gpu_hours_of} both set the budget; keep one of them")
+    if train.gpu_hours_of is not None and not str(train.gpu_hours_of).strip():
+        raise ConfigError("train.gpu_hours_of is empty; give the run key (graft.run_key) of the reference job")
 
 
 def validate_method(cfg: DictConfig) -> None:

@@ -156,6 +156,7 @@ class Driver:
                         for role in needed}
         self.backend: Backend = backend_factory(cfg, needed, self.root) if needed else None
         self.job_device_seconds = 0.0
+        self.budget_hours = tracking.gpu_hours_budget(cfg, job.client)   # equal compute (None: steps alone)
         self.start_step = 1
         if self.backend is not None:
             problems = self.backend.problems()
@@ -430,19 +431,31 @@ class Driver:
         with progress_bar(bool(self.cfg.backend.progress), self.total_steps, self.start_step - 1,
                           list(self.members)) as bar:
             for step in range(self.start_step, self.total_steps + 1):
+                if self.budget_spent():   # resumed from the checkpoint of the step that spent it
+                    break
                 metrics, job_metrics = self.co_train_step(step)
                 self.job.log_metrics(job_metrics, step)
                 for role, member in self.members.items():
                     member.log(metrics[role], step)
-                if is_validation_step(step, every, self.total_steps):
+                # The step that spends the budget ends training as the last step would: validated (a
+                # candidate for the best checkpoint) and checkpointed.
+                last = step == self.total_steps or self.budget_spent()
+                if is_validation_step(step, every, self.total_steps) or last:
                     self.validate(step)
                 bar.advance({role: m[schema.TRAIN + "reward_mean"] for role, m in metrics.items()})
-                if step % save_every == 0 or step == self.total_steps or step == stop_at_step:
+                if step % save_every == 0 or last or step == stop_at_step:
                     self.save_checkpoint(step)
                 if step == stop_at_step:
                     return {}
+                if last:
+                    self.job.set_tags({schema.LAST_STEP: step})
+                    break
         results = self.each(self.final_evaluation)
         return {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
+
+    def budget_spent(self) -> bool:
+        """Whether the job's charged cost (``cost/gpu_hours``, App. D) reached ``train.max_gpu_hours``."""
+        return self.budget_hours is not None and self.job_device_seconds / 3600.0 >= self.budget_hours
 
     def log_config(self) -> None:
         path = self.root / "config.yaml"

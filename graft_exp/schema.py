@@ -30,6 +30,8 @@ JOB_TAGS = {
     "graft.slurm_job_id": "at creation and on every resume, under Slurm",
     "graft.host": "at creation and on every resume", "graft.pid": "at creation and on every resume",
     "graft.log": "at creation and on every resume, when the launcher names a log file",
+    "graft.budget_gpu_hours": "at creation, with an equal-compute budget (train.max_gpu_hours or gpu_hours_of)",
+    "graft.last_step": "when training ends: the last trained step (below train.max_steps when the budget ran out)",
     **ENV_TAGS,
 }
 #: Tags of a model run (child of the job run, one per trained model).
@@ -74,6 +76,7 @@ BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
+BUDGET, LAST_STEP = "graft.budget_gpu_hours", "graft.last_step"
 SLURM_JOB_ID, HOST, PID, LOG = "graft.slurm_job_id", "graft.host", "graft.pid", "graft.log"   # where a job runs
 
 

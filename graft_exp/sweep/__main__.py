@@ -25,6 +25,11 @@ model with an earlier job runs after it, so a shared GRPO baseline is trained on
               ``cluster=local`` the next ready job takes a core as soon as one is idle; report
               failures as they happen; finish with the status table.
 
+  --until-decided [--max-seeds N]
+              run the file's seeds, then rounds of further seeds for the ``decide:`` comparisons still
+              undecided, until each is decided or N seeds (``graft_exp.sweep.decide``: the rule,
+              AdaStop; ``graft_exp.sweep.until``: the rounds and what MLflow records of them).
+
 Other arguments are Hydra overrides for every job, e.g. ``cluster=slurm tracking=server
 hydra.launcher.partition=gpu``.
 """
@@ -41,9 +46,11 @@ from rich.markup import escape
 
 from graft_exp import resources, tracking
 from graft_exp.config import ConfigError, folder_problem, validate_job
+from graft_exp.sweep.decide import DecideError, settings
 from graft_exp.sweep.launch import run
-from graft_exp.sweep.planning import SweepError, plan
+from graft_exp.sweep.planning import SweepError, load, plan
 from graft_exp.sweep.state import console, report, snapshot
+from graft_exp.sweep.until import file_seeds, launcher, until_decided
 
 
 def invalid_jobs(sweep) -> list[str]:
@@ -69,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where launches write their Hydra sweep dirs and launches.jsonl")
     parser.add_argument("--poll", type=float, default=None,
                         help="seconds between state checks while waiting (default: cluster.poll_s)")
+    mode.add_argument("--until-decided", action="store_true",
+                      help="add rounds of seeds until the file's `decide:` comparisons are decided")
+    parser.add_argument("--max-seeds", type=int, default=None,
+                        help="--until-decided: the cap on seeds per method (default: decide.max_seeds, 12)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (cluster=slurm ...)")
     args = parser.parse_intermixed_args(argv)
     problem = folder_problem(args.out)
@@ -76,9 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] --out {escape(str(args.out))}: {escape(problem)}; give a folder for the "
                       "launches' Hydra folders", soft_wrap=True)
         return 2
+    if args.max_seeds is not None and not args.until_decided:
+        console.print("[red]error:[/] --max-seeds caps --until-decided; add --until-decided or drop --max-seeds")
+        return 2
     try:
+        decide = None
+        if args.until_decided:
+            spec = load(args.sweep)
+            decide = settings(spec, file_seeds(spec), args.max_seeds, args.sweep)
         sweep = plan(args.sweep, args.overrides)
-    except SweepError as err:
+        if decide is not None:
+            listed = {str(sj.job.cfg.method.name) for sj in sweep.jobs}
+            absent = [m for m in decide.methods if m not in listed]
+            if absent:
+                raise DecideError(f"{args.sweep}: decide.comparisons names {', '.join(absent)}, which no grid of "
+                                  f"`runs:` trains; add it to a grid or remove the comparison")
+    except (SweepError, DecideError) as err:
         console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         return 2
     except (HydraException, OmegaConfBaseException) as err:   # a wrong type or unknown key or option
@@ -101,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         exclusive = bool(cluster and cluster.get("exclusive"))
         overlap = bool(cluster and cluster.parallel and not exclusive)
         cores = joblib.cpu_count() if exclusive else None
+        if decide is not None:
+            return until_decided(args.sweep, spec, decide, args.overrides,
+                                 launcher(args.overrides, args.out, overlap, poll, cores))
         return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll, cores=cores)
     except tracking.TrackingError as err:
         console.print(f"[red]nothing launched:[/] {err}")

@@ -29,9 +29,13 @@ def _override(key: str, value) -> str:
     return f"{key}={value}"
 
 
+#: Grid keys that are not Hydra overrides: ``after`` (jobs needed first) and ``compute_of`` (equal compute).
+PLAN_KEYS = ("after", "compute_of")
+
+
 def expand(grid: dict) -> list[tuple[str, ...]]:
-    """The jobs of one grid (without ``after``), in the order its keys and values are written."""
-    keys = [k for k in grid if k != "after"]
+    """The jobs of one grid (without ``after`` / ``compute_of``), in the order its keys and values are written."""
+    keys = [k for k in grid if k not in PLAN_KEYS]
     values = [_as_list(grid[k]) for k in keys]
     return [tuple(_override(k, v) for k, v in zip(keys, combo)) for combo in itertools.product(*values)]
 
@@ -82,7 +86,13 @@ def _check_grid(path: Path, i: int, grid) -> None:
     if not isinstance(grid, dict) or not grid:
         raise SweepError(f"{where} is {grid!r}, not a grid of overrides ({{key: value or [values]}}); {_FORMAT}")
     for key, value in grid.items():
-        if key == "after":
+        if key == "compute_of":
+            if not (isinstance(value, dict) and value and all(_scalar(v) for v in value.values())):
+                raise SweepError(f"{where}.compute_of={value!r} must map keys to the reference job's values, "
+                                 "e.g. compute_of: {method: grpo_n8}")
+            if "train.max_gpu_hours" in grid:
+                raise SweepError(f"{where} sets both compute_of and train.max_gpu_hours; keep one of them")
+        elif key == "after":
             for change in _as_list(value):
                 if not isinstance(change, dict) or not all(_scalar(v) for v in change.values()):
                     raise SweepError(f"{where}.after is {value!r}: name the needed jobs' overrides as a mapping "
@@ -119,11 +129,12 @@ def load(path: Path) -> dict:
     return spec
 
 
-def plan(path: Path, overrides: list[str], composer: Composer | None = None) -> Sweep:
-    """Compose every job of the sweep file ``path`` with the command-line ``overrides``."""
-    spec = load(path)
+def plan(path: Path, overrides: list[str], composer: Composer | None = None, spec: dict | None = None) -> Sweep:
+    """Compose every job of the sweep file ``path`` (or of ``spec``, a sweep file's content: a round of
+    ``--until-decided``) with the command-line ``overrides``."""
+    spec = spec or load(path)
     study = str(spec["study"])
-    swept = {"study", *(k for grid in spec["runs"] for k in grid if k != "after")}
+    swept = {"study", *(k for grid in spec["runs"] for k in grid if k not in PLAN_KEYS)}
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in swept:
@@ -145,6 +156,12 @@ def plan(path: Path, overrides: list[str], composer: Composer | None = None) -> 
         for grid in spec["runs"]:
             for ovs in expand(grid):
                 deps = [add(replace(ovs, change)) for change in _as_list(grid.get("after") or [])]
+                if grid.get("compute_of"):
+                    # Equal compute: the budget is the reference job's charged cost, known once it has
+                    # finished, so the job names the reference's key (its identity) and runs after it.
+                    reference = add(replace(ovs, grid["compute_of"]))
+                    deps.append(reference)
+                    ovs = (*ovs, f"train.gpu_hours_of={reference}")
                 key = add(ovs)
                 after.setdefault(key, []).extend(d for d in deps if d != key)
         uri = composer.base.tracking.uri

@@ -233,6 +233,26 @@ def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
             f"seed={cfg.seed} rerun=true` with this job's train settings first")
 
 
+class BudgetMissing(TrackingError):
+    """``train.gpu_hours_of`` names a job that has not finished (or does not exist) in the store."""
+
+
+def gpu_hours_budget(cfg: DictConfig, client: MlflowClient) -> float | None:
+    """The job's equal-compute budget in GPU-hours: ``train.max_gpu_hours``, or the final ``cost/gpu_hours``
+    of the FINISHED job whose run key ``train.gpu_hours_of`` names (the whole reference run, both models of a
+    GRPO job: App. D's "both models"); None without a budget."""
+    train = cfg.train
+    if train.gpu_hours_of is None:
+        return None if train.max_gpu_hours is None else float(train.max_gpu_hours)
+    ref = find_run(client, str(train.gpu_hours_of))
+    cost = ref.data.metrics.get(schema.GPU_HOURS) if ref is not None else None
+    if ref is None or ref.info.status != "FINISHED" or cost is None:
+        state = "is not in the store" if ref is None else f"is {ref.info.status}"
+        raise BudgetMissing(f"train.gpu_hours_of={train.gpu_hours_of}: that job {state} in {cfg.tracking.uri}; "
+                            "train it first (a sweep's `compute_of` does) or set train.max_gpu_hours instead")
+    return float(cost)
+
+
 def open_job(cfg: DictConfig) -> TrackedRun | None:
     """The job run of ``cfg`` (new or resumed), or None when a FINISHED run exists and not rerun.
 
@@ -244,8 +264,11 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     key = run_key(cfg)
     _refuse_live_duplicate(client, key)
     check_stored_logs(cfg, client)
+    budget = gpu_hours_budget(cfg, client)
     tags = {**common_tags(cfg), schema.GIT_SHA: git_sha(), **source_tags("python -m graft_exp"),
             **environment.tags(), DESCRIPTION_TAG: job_description(cfg)}
+    if budget is not None:
+        tags[schema.BUDGET] = repr(budget)
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
     job = _open(client, experiment_id, key, tags, name, cfg.rerun)
     if job is not None:

@@ -1,0 +1,216 @@
+"""``python -m analysis decisions``: each comparison's verdict from a seeds-until-decided sweep, and the
+score at equal compute beside the score at equal steps.
+
+Verdicts come from the sweep's own MLflow run (``graft.analysis=until-decided``, written by
+``graft_exp.sweep.until``): its last round's decision, adjusted interval and the seeds (and scores) it
+used, so the table is rebuilt from what the rule saw. Beside them, the measures RL papers now report,
+from ``rliable`` (Agarwal et al., "Deep RL at the edge of the statistical precipice", 2021): the
+probability that the method beats the reference on a seed, and each method's interquartile mean, with
+95% stratified-bootstrap intervals (not adjusted for the family: descriptive).
+
+Equal compute: job runs with ``graft.budget_gpu_hours`` (``train.max_gpu_hours`` or ``gpu_hours_of``)
+against runs of the same method, pair and seed with every other setting equal but no budget (the same
+number of steps as the reference job); scores are the job's models' mean ``test/avg`` in points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from mlflow.tracking import MlflowClient
+from scipy import stats
+
+from graft_exp import schema
+
+UNTIL_DECIDED = "until-decided"
+#: Params that set the budget (or only the study's name): equal-steps twins differ from a budgeted job only there.
+BUDGET_PARAMS = ("train.max_gpu_hours", "train.gpu_hours_of", "study")
+BOOTSTRAP_REPS = 2000
+
+
+def _experiments(client: MlflowClient, names: list[str] | None) -> list[str]:
+    exps = client.search_experiments(filter_string="name LIKE 'graft/%'")
+    return [e.experiment_id for e in exps if names is None or e.name in names]
+
+
+def decision_records(client: MlflowClient, experiment_ids: list[str]) -> list:
+    """The newest until-decided run of each sweep file (a rerun of the same sweep replaces the older)."""
+    runs = client.search_runs(experiment_ids, f"tags.`graft.analysis` = '{UNTIL_DECIDED}'",
+                              order_by=["attributes.start_time DESC"])
+    newest = {}
+    for run in runs:
+        newest.setdefault(run.data.tags.get("graft.sweep"), run)
+    return list(newest.values())
+
+
+def rounds(client: MlflowClient, run_id: str, folder: Path) -> list[dict]:
+    """Every round record of an until-decided run, in order."""
+    local = Path(client.download_artifacts(run_id, "rounds", str(folder)))
+    files = sorted(local.glob("round_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    return [json.loads(p.read_text()) for p in files]
+
+
+def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """Probability of improvement (method over reference) and both IQMs, each with its 95%
+    stratified-bootstrap interval (``rliable``; one task: the pair average)."""
+    from rliable import library as rly
+    from rliable import metrics
+
+    x, y = method.reshape(-1, 1), reference.reshape(-1, 1)
+    iqm = lambda scores: np.array([metrics.aggregate_iqm(scores)])
+    points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
+    poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
+                                                   reps=BOOTSTRAP_REPS)
+    return {"P(improve)": float(poi_point["p"]), "P(improve) lo": float(poi_ci["p"][0]),
+            "P(improve) hi": float(poi_ci["p"][1]),
+            "IQM method": float(points["m"][0]), "IQM method lo": float(cis["m"][0, 0]),
+            "IQM method hi": float(cis["m"][1, 0]),
+            "IQM ref": float(points["r"][0]), "IQM ref lo": float(cis["r"][0, 0]), "IQM ref hi": float(cis["r"][1, 0])}
+
+
+def verdicts(client: MlflowClient, run, folder: Path) -> pd.DataFrame:
+    """One row per comparison of one until-decided run: its verdict after the last round."""
+    records = rounds(client, run.info.run_id, folder / run.info.run_id)
+    if not records:
+        return pd.DataFrame()
+    params = run.data.params
+    last = records[-1]
+    rows = []
+    for label, verdict in last["decisions"].items():
+        method, reference = label.split(" vs ")
+        # A comparison's numbers are those of the round that decided it (later rounds copy them).
+        decided = next((r for r in records if r["decisions"][label] == verdict), last)
+        seeds = [x for x in decided["seeds"][method] if x in decided["seeds"][reference]]
+        by_seed = {m: dict(zip(decided["seeds"][m], decided["scores"][m])) for m in (method, reference)}
+        x = np.array([by_seed[method][s] for s in seeds])
+        y = np.array([by_seed[reference][s] for s in seeds])
+        lo, hi = decided["intervals"][label]
+        rows.append({"sweep": run.data.tags.get("graft.sweep"), "comparison": label,
+                     "verdict": verdict if verdict != "continue" else "undecided (stopped before the cap)",
+                     "seeds": len(seeds), "seed list": " ".join(map(str, seeds)),
+                     "round": decided["index"], "mean diff": float(np.mean(x - y)),
+                     "adjusted lo": lo, "adjusted hi": hi, "alpha": float(params["alpha"]),
+                     "margin": float(params["margin_points"]), **rliable_measures(x, y)})
+    return pd.DataFrame(rows)
+
+
+def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
+    """One row per FINISHED job run: method, pair, seed, budget, last step, cost, score (points), params."""
+    runs = client.search_runs(experiment_ids, "attributes.status = 'FINISHED'", max_results=50_000)
+    models: dict[str, list[float]] = {}
+    for run in runs:
+        if schema.MODEL in run.data.tags:
+            history = client.get_metric_history(run.info.run_id, schema.TEST + "avg")
+            if history:
+                parent = run.data.tags.get("mlflow.parentRunId")
+                models.setdefault(parent, []).append(100 * float(np.mean([m.value for m in history])))
+    rows = []
+    for run in runs:
+        tags = run.data.tags
+        if schema.MODEL in tags or schema.RUN_KEY not in tags or run.info.run_id not in models:
+            continue
+        rows.append({"run_id": run.info.run_id, "method": tags.get(schema.METHOD), "pair": tags.get(schema.PAIR),
+                     "seed": int(tags.get(schema.SEED)),
+                     "budget": float(tags[schema.BUDGET]) if schema.BUDGET in tags else math.nan,
+                     "steps": int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else math.nan,
+                     "gpu_hours": run.data.metrics.get(schema.GPU_HOURS, math.nan),
+                     "score": float(np.mean(models[run.info.run_id])),
+                     "setting": json.dumps({k: v for k, v in sorted(run.data.params.items())
+                                            if k not in BUDGET_PARAMS}, sort_keys=True)})
+    return pd.DataFrame(rows)
+
+
+def _paired(diffs: np.ndarray) -> str:
+    if len(diffs) < 2:
+        return "—"
+    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / math.sqrt(len(diffs))
+    return f"{diffs.mean():+.2f} [{diffs.mean() - half:+.2f}, {diffs.mean() + half:+.2f}]"
+
+
+def equal_compute(jobs: pd.DataFrame, reference: str) -> pd.DataFrame:
+    """Per budgeted method: the score at equal compute and at equal steps, each with its paired (same
+    seed) difference to ``reference`` (whose own run is both: the budget is its cost)."""
+    if jobs.empty or jobs["budget"].isna().all():
+        return pd.DataFrame()
+    budgeted = jobs[jobs["budget"].notna()]
+    plain = jobs[jobs["budget"].isna()]
+    ref = plain[plain["method"] == reference].set_index(["pair", "seed"])
+    rows = []
+    for method, group in [(reference, None), *budgeted.groupby("method")]:
+        if group is None:
+            group = ref.reset_index()
+            twins = group
+        else:
+            twins = group.merge(plain, on=["method", "pair", "seed", "setting"], suffixes=("", "_steps"))
+        keys = list(zip(group["pair"], group["seed"]))
+        base = np.array([ref["score"].get(k, math.nan) for k in keys])
+        at_compute = group["score"].to_numpy()
+        steps_keys = list(zip(twins["pair"], twins["seed"]))
+        at_steps = twins["score_steps" if "score_steps" in twins else "score"].to_numpy()
+        steps_base = np.array([ref["score"].get(k, math.nan) for k in steps_keys])
+        ok, ok_steps = ~np.isnan(base), ~np.isnan(steps_base)
+        rows.append({
+            "method": method, "seeds": len(group),
+            "steps (min-max)": f"{int(np.nanmin(group['steps']))}-{int(np.nanmax(group['steps']))}",
+            "GPU-h per job": float(group["gpu_hours"].mean()),
+            "score at equal compute": f"{at_compute.mean():.2f} ± {at_compute.std(ddof=1) if len(group) > 1 else 0:.2f}",
+            f"Δ vs {reference}, equal compute [95% CI]": "—" if method == reference else _paired(at_compute[ok] - base[ok]),
+            "seeds at equal steps": len(twins),
+            "score at equal steps": f"{at_steps.mean():.2f}" if len(twins) else "—",
+            f"Δ vs {reference}, equal steps [95% CI]": ("—" if method == reference or not len(twins)
+                                                        else _paired(at_steps[ok_steps] - steps_base[ok_steps])),
+        })
+    return pd.DataFrame(rows)
+
+
+def write(client: MlflowClient, names: list[str] | None, out: Path, reference: str) -> list[Path]:
+    """Write decisions.csv/.md and equal_compute.csv/.md into ``out``; the paths written."""
+    ids = _experiments(client, names)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    frames = [verdicts(client, run, out / "rounds") for run in decision_records(client, ids)]
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if not table.empty:
+        paths += _write_frame(table, out / "decisions", _decision_markdown(table))
+    ec = equal_compute(job_scores(client, ids), reference)
+    if not ec.empty:
+        paths += _write_frame(ec, out / "equal_compute", markdown(ec))
+    return paths
+
+
+def _decision_markdown(table: pd.DataFrame) -> str:
+    shown = pd.DataFrame({
+        "comparison": table["comparison"], "verdict": table["verdict"], "seeds": table["seeds"],
+        "Δ (points) [adjusted interval]": [f"{r['mean diff']:+.2f} [{r['adjusted lo']:+.2f}, {r['adjusted hi']:+.2f}]"
+                                           for _, r in table.iterrows()],
+        "P(improve) [95% CI]": [f"{r['P(improve)']:.2f} [{r['P(improve) lo']:.2f}, {r['P(improve) hi']:.2f}]"
+                                for _, r in table.iterrows()],
+        "IQM method [95% CI]": [f"{r['IQM method']:.2f} [{r['IQM method lo']:.2f}, {r['IQM method hi']:.2f}]"
+                                for _, r in table.iterrows()],
+        "IQM reference [95% CI]": [f"{r['IQM ref']:.2f} [{r['IQM ref lo']:.2f}, {r['IQM ref hi']:.2f}]"
+                                   for _, r in table.iterrows()],
+    })
+    alpha, margin = table["alpha"].iloc[0], table["margin"].iloc[0]
+    note = (f"Family-wise alpha {alpha} over the comparisons and rounds (AdaStop); the adjusted interval is the "
+            f"paired t interval at 1 - alpha/(comparisons x rounds); equivalent: no difference found at the cap "
+            f"and the adjusted interval within ±{margin} points. P(improve) and IQM: rliable, 95% stratified "
+            "bootstrap, not adjusted.")
+    return markdown(shown) + "\n" + note + "\n"
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A GitHub table of ``frame`` (floats to 4 decimals)."""
+    cells = [[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row] for row in frame.itertuples(index=False)]
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells]) + "\n"
+
+
+def _write_frame(frame: pd.DataFrame, stem: Path, markdown: str) -> list[Path]:
+    csv, md = stem.with_suffix(".csv"), stem.with_suffix(".md")
+    frame.to_csv(csv, index=False)
+    md.write_text(markdown)
+    return [csv, md]

@@ -1,0 +1,85 @@
+"""Equal compute: ``train.max_gpu_hours`` / ``train.gpu_hours_of`` stop a job once its charged cost
+(``cost/gpu_hours``, App. D) reaches the budget, with the in-memory backend.
+
+Measured wall time is what a real job is charged; here each step's charge is fixed (``step_costs``
+replaced) so that the step the budget runs out at is known exactly, whatever the machine's load."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from memory_backend import factory
+from mlflow.tracking import MlflowClient
+from mlflow_records import histories, model_runs
+
+from graft_exp import driver, schema, tracking
+from graft_exp.config import ConfigError, validate
+
+FAST = ["train.batch_prompts=8", "train.minibatch_prompts=4", "train.max_steps=6", "eval.val_every=5",
+        "eval.runs=1", "eval.samples=1", "backend.progress=false"]
+STEP_HOURS = 0.25   # each step's joint charge
+
+
+@pytest.fixture
+def make_job(compose_cfg, store_template, tmp_path, monkeypatch):
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+
+    def fixed_charge(busy, wall, devices, co_train, concurrent):
+        return {role: STEP_HOURS * 3600 / len(busy) for role in busy}, STEP_HOURS * 3600
+
+    monkeypatch.setattr(driver, "step_costs", fixed_charge)
+
+    def _make(*overrides: str):
+        cfg = compose_cfg(f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
+                          *FAST, *overrides)
+        validate(cfg)
+        return cfg, tracking.open_job(cfg)
+    return _make
+
+
+def job_cost_steps(job) -> list[int]:
+    return [m.step for m in job.client.get_metric_history(job.run_id, schema.GPU_HOURS)]
+
+
+def test_a_budget_stops_training_at_the_step_that_spends_it(make_job):
+    cfg, job = make_job("method=graft", "train.max_gpu_hours=0.6")
+    driver.fit(cfg, job, factory([]))
+    assert job_cost_steps(job) == [1, 2, 3]                 # 0.5 < 0.6 <= 0.75: step 3 is the last
+    run = job.client.get_run(job.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[schema.LAST_STEP] == "3" and float(run.data.tags[schema.BUDGET]) == 0.6
+    for member in model_runs(job.client, job.run_id).values():
+        hist = histories(job.client, member.info.run_id)
+        assert [s for s, _ in hist["val/avg"]] == [0, 3]    # the budget's last step is validated ...
+        assert member.data.tags[schema.BEST_STEP] == "3"    # ... and so a best-checkpoint candidate
+        assert len(hist["test/avg"]) == 1                   # the final evaluation is unchanged
+
+
+def test_a_reference_run_s_cost_is_the_budget(make_job):
+    ref_cfg, ref = make_job("method=grpo_n8", "train.max_steps=2")
+    driver.fit(ref_cfg, ref, factory([]))
+    key = tracking.run_key(ref_cfg)
+    cfg, job = make_job("method=graft", f"train.gpu_hours_of={key}")
+    driver.fit(cfg, job, factory([]))
+    assert job_cost_steps(job) == [1, 2]                    # GRPO's 2 steps x 0.25 h
+    assert float(job.client.get_run(job.run_id).data.tags[schema.BUDGET]) == pytest.approx(0.5)
+
+
+def test_a_missing_reference_fails_before_any_run_exists(make_job, compose_cfg, tmp_path):
+    with pytest.raises(tracking.BudgetMissing, match=r"train.gpu_hours_of=0123abcd: that job is not in the store"):
+        make_job("method=graft", "train.gpu_hours_of=0123abcd")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    assert client.search_runs(exps) == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.max_gpu_hours=0"], r"train.max_gpu_hours=0.0 must be > 0 GPU-hours"),
+    (["train.max_gpu_hours=-1"], r"train.max_gpu_hours=-1.0 must be > 0"),
+    (["train.max_gpu_hours=1", "train.gpu_hours_of=abc"], r"both set the budget; keep one of them"),
+])
+def test_bad_budgets_fail_in_one_line(compose_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(compose_cfg(*overrides))
+    assert "\n" not in str(err.value)
