@@ -95,7 +95,7 @@ def slurm(tmp_path_factory):
     reason = why_not_startable()
     if reason:
         pytest.skip(f"no private Slurm cluster: {reason}. The tests never fall back to a Slurm already "
-                    f"running here; set {REAL_SLURM} (README) to run the safe ones on a real cluster")
+                    f"running here; set {REAL_SLURM} (docs/testing.md) to run the safe ones on a real cluster")
     cluster = PrivateSlurm(tmp_path_factory.mktemp("slurm"))
     with pytest.MonkeyPatch.context() as env:
         # Settings of an enclosing job or a site profile (SBATCH_PARTITION, SLURM_JOB_ID, ...) would
