@@ -1,7 +1,7 @@
 """``python -m analysis {tables,figures,compare,decisions,readme}``: the paper's tables and figures from MLflow.
 
-``readme`` rebuilds a README's seed-study section from what ``tables`` and ``figures`` wrote into ``--out``
-(:mod:`analysis.readme`).
+``readme`` rebuilds a page's generated results section (the tiny study's in ``docs/tiny.md``, the K-model
+study's in ``docs/groups.md``) from what ``tables`` and ``figures`` wrote into ``--out`` (:mod:`analysis.readme`).
 
 With ``--log-to-mlflow``, ``tables`` and ``figures`` also log what they wrote as the artifacts of an
 analysis run (tagged ``graft.analysis``, which the analysis itself skips) in the experiment they read,
@@ -137,7 +137,7 @@ def cmd_decisions(args) -> None:
 
 
 def cmd_readme(args) -> None:
-    path = readme.write(args.out, args.readme, args.section)
+    path = readme.write(args.out, args.page, args.section)
     console.print(f"rebuilt the {args.section} section of {path} from {args.out}")
 
 
@@ -151,12 +151,14 @@ def parser() -> argparse.ArgumentParser:
                                  "unless --tracking-uri is given)")),
         "decisions": (cmd_decisions, ("each comparison's verdict from a --until-decided sweep (with rliable's "
                                       "P(improve) and IQM), and scores at equal compute beside equal steps")),
-        "readme": (cmd_readme, "rebuild a README's seed-study section from the tables and figures in OUT"),
+        "readme": (cmd_readme, "rebuild a page's generated results section from the tables and figures in OUT"),
     }
     for name, (handler, help_text) in specs.items():
         command = commands.add_parser(name, help=help_text)
         if name == "readme":
-            command.add_argument("readme", type=Path, help="the README to update, e.g. README.md")
+            command.add_argument("page", type=Path, nargs="?", default=None,
+                                 help="the page to update (default: the section's own page, docs/tiny.md for "
+                                      "seed-study, docs/groups.md for group-study, from the repository root)")
             command.add_argument("--out", type=Path, required=True, help="where tables and figures wrote")
             command.add_argument("--section", choices=list(readme.SECTIONS), default="seed-study",
                                  help="which generated section: the pair seed study (sweeps/tiny.yaml) or "
@@ -182,13 +184,14 @@ def parser() -> argparse.ArgumentParser:
 
 def input_problem(args) -> str | None:
     """What is wrong with the files and folders named on the command line, before anything is read or
-    written: ``--out`` must be (or become) a folder; ``readme`` reads an existing README and ``--out``."""
+    written: ``--out`` must be (or become) a folder; ``readme`` reads an existing page and ``--out``."""
     out = args.out
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file; give a folder for the outputs (it is created if missing)"
     if args.command == "readme":
-        if not args.readme.is_file():
-            return f"{args.readme} is not a file; give the README to update, e.g. README.md"
+        if not args.page.is_file():
+            return (f"{args.page} is not a file; give the page to update, e.g. {readme.PAGES[args.section]} "
+                    "(run from the repository root)")
         if not out.is_dir():
             return f"--out {out} does not exist; run `python -m analysis tables --out {out}` (and figures) first"
     return None
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.tracking_uri_given = args.tracking_uri is not None
     args.tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    if args.command == "readme" and args.page is None:
+        args.page = readme.PAGES[args.section]
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
     problem = input_problem(args)
     if problem:

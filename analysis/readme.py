@@ -1,10 +1,12 @@
-"""``python -m analysis readme``: a README's seed-study section, rebuilt from what ``tables`` and ``figures`` wrote.
+"""``python -m analysis readme``: a page's generated results section, rebuilt from what ``tables`` and ``figures`` wrote.
 
-The section sits between :data:`BEGIN` and :data:`END`; everything between them is replaced, everything
-outside is kept. It holds the seed tables' Markdown as written, the figures (copied into ``docs/<name of the
-output directory>/`` beside the README, so that the links work in a repository browser), and one generated line per table saying which paired
-differences to GRPO (n=8) have a 95% interval that excludes zero, so that the claim "separates beyond seed
-noise" is read from the same output as the tables and cannot go stale.
+The section sits between its begin and end markers (:data:`SECTIONS`); everything between them is replaced,
+everything outside is kept. The pair seed study's section lives in ``docs/tiny.md``, the K-model study's in
+``docs/groups.md`` (:data:`PAGES`). It holds the seed tables' Markdown as written, the figures (copied into
+``<name of the output directory>/`` beside the page and linked relative to it, so that the links work in a
+repository browser), and one generated line per table saying which paired differences to GRPO (n=8) have a
+95% interval that excludes zero, so that the claim "separates beyond seed noise" is read from the same output
+as the tables and cannot go stale.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ SECTIONS = {
                   {"rescue-matrix": "Of each receiver's all-fail prompts, the share each other member (and at "
                                     "least one) solved: GRPO (n=8) group run, seed 0, mean over steps"}),
 }
+#: ``--section`` -> the page (from the repository root) that holds it: the default target of the command.
+PAGES = {"seed-study": Path("docs/tiny.md"), GROUP_STUDY: Path("docs/groups.md")}
 
 
 class SectionError(ValueError):
-    """The README has no (or a broken) generated section, or the analysis output is incomplete."""
+    """The page has no (or a broken) generated section, or the analysis output is incomplete."""
 
 
 def _model_name(model: str) -> str:
@@ -78,15 +82,15 @@ def _separation_lines(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
-def section(out: Path, readme: Path, name: str = "seed-study") -> str:
-    """The generated section: tables from ``out/<label>.md`` and ``.csv``, figures copied beside ``readme``."""
+def section(out: Path, page: Path, name: str = "seed-study") -> str:
+    """The generated section: tables from ``out/<label>.md`` and ``.csv``, figures copied beside ``page``."""
     begin, end, labels, figures = SECTIONS[name]
     missing = [f"{label}.{ext}" for label in labels for ext in ("md", "csv") if not (out / f"{label}.{ext}").exists()]
     missing += [f"{figure}.png" for figure in figures if not (out / f"{figure}.png").exists()]
     if missing:
         raise SectionError(f"{out} lacks {', '.join(missing)}: run `python -m analysis tables` and "
                            f"`python -m analysis figures` with --out {out} first")
-    figure_dir = readme.parent / "docs" / out.name
+    figure_dir = page.parent / out.name
     figure_dir.mkdir(parents=True, exist_ok=True)
     parts = [begin, ""]
     for label in labels:
@@ -96,7 +100,7 @@ def section(out: Path, readme: Path, name: str = "seed-study") -> str:
         parts += [line for text in _separation_lines(frame) for line in (text, "")]
     for figure, caption in figures.items():
         shutil.copyfile(out / f"{figure}.png", figure_dir / f"{figure}.png")
-        link = (figure_dir / f"{figure}.png").relative_to(readme.parent).as_posix()
+        link = (figure_dir / f"{figure}.png").relative_to(page.parent).as_posix()
         parts += [f"![{caption}]({link})", ""]
     parts.append(end)
     return "\n".join(parts)
@@ -106,14 +110,14 @@ def splice(text: str, generated: str, name: str = "seed-study") -> str:
     """``text`` with its section ``name`` (between its begin and end markers) replaced by ``generated``."""
     begin, end = SECTIONS[name][:2]
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise SectionError(f"the README needs exactly one line {begin!r} followed by one line {end!r}")
+        raise SectionError(f"the page needs exactly one line {begin!r} followed by one line {end!r}")
     head, rest = text.split(begin, 1)
     return head + generated + rest.split(end, 1)[1]
 
 
-def write(out: Path, readme: Path, name: str = "seed-study") -> Path:
-    text = readme.read_text(encoding="utf-8")
-    splice(text, "", name)   # a README without its section is refused before any figure is copied
-    readme.write_text(splice(text, section(out, readme, name), name), encoding="utf-8")
-    return readme
+def write(out: Path, page: Path, name: str = "seed-study") -> Path:
+    text = page.read_text(encoding="utf-8")
+    splice(text, "", name)   # a page without its section is refused before any figure is copied
+    page.write_text(splice(text, section(out, page, name), name), encoding="utf-8")
+    return page
 

@@ -5,7 +5,7 @@ through ``cluster=slurm``.
 
 The dry-run is timed cold (empty composition cache: every config is composed by Hydra) and warm
 (the cache a previous listing left), against an existing, empty SQLite store. The Slurm sweep needs a running
-cluster (a private one: ``python tests/private_slurm.py start DIR``, then the ``export SLURM_CONF=...`` it
+cluster (a private one: ``python tests/support/private_slurm.py start DIR``, then the ``export SLURM_CONF=...`` it
 prints) and runs ``graft`` and ``grpo_n8`` on the tiny pair for 4 short steps into a fresh SQLite store. The other two launching figures are printed by the service tests:
 metrics lost under 8 concurrent writers (``tests/test_mlflow_server.py``) and duplicated or lost steps
 after a preemption and a requeue (``tests/test_slurm.py``):

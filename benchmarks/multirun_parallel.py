@@ -1,4 +1,4 @@
-"""The README's 6-job sweep on the default cluster: its wall time over the sum of its jobs' times.
+"""README's 6-job sweep on the default cluster (timed in docs/tiny.md): its wall time over the sum of its jobs' times.
 
     python benchmarks/multirun_parallel.py [--steps 3] [overrides ...]
 

@@ -3,13 +3,13 @@ and look again".
 
     python benchmarks/sequential_decisions.py [--sims 2000] [--power-sims 1000] [--json]
 
-Noise, read from README's seed-study tables (the tiny study, seeds 0-4, "Both models" rows): the s.d. of a
+Noise, read from docs/tiny.md's seed-study tables (the tiny study, seeds 0-4, "Both models" rows): the s.d. of a
 method's pair average over seeds (the "Avg. (± s.d. over seeds)" column) and the s.d. of its paired
 difference to GRPO n=8, recovered from each 95% Student-t interval (half-width x sqrt(5) / t(0.975, 4));
 the medians over the table's rows. A synthetic seed gives the reference method
 ``seed_effect + noise`` and the compared method ``seed_effect + delta + noise'``, the seed effect (shared
 by both, as the same seed fixes prompts and sampling) and the noises split so that each method's s.d. and
-the paired difference's s.d. are the README's.
+the paired difference's s.d. are that page's.
 
 The rule (``graft_exp.sweep.decide.Decider``, the one ``--until-decided`` runs): 4 seeds per round, a cap
 of 12 (3 looks), alpha 0.05, AdaStop's permutation test at alpha/2 per side. The naive procedure: a
@@ -44,11 +44,11 @@ ROW = re.compile(r"^\| (?P<method>[^|]+?) \|(?:[^|]*\|){4} (?P<avg>[\d.]+) ± (?
 CI = re.compile(r"\[(?P<lo>[+-][\d.]+), (?P<hi>[+-][\d.]+)\]")
 
 
-def readme_noise(readme: Path) -> dict:
-    """The two s.d.s of the tiny study (points of the pair average), from README's "Both models" rows."""
+def study_noise(page: Path) -> dict:
+    """The two s.d.s of the tiny study (points of the pair average), from docs/tiny.md's "Both models" rows."""
     rows, both = {}, False
     t = stats.t.ppf(0.975, 4)
-    for line in readme.read_text().splitlines():
+    for line in page.read_text().splitlines():
         match = ROW.match(line)
         if match is None and line.startswith("| *"):   # a section of a table ("*Both models ...*") or a band
             both = line.startswith("| *Both models")
@@ -58,13 +58,13 @@ def readme_noise(readme: Path) -> dict:
     diff_sd = [(float(ci["hi"]) - float(ci["lo"])) / 2 * math.sqrt(5) / t
                for ci in (CI.search(m["delta"]) for m in rows.values()) if ci]
     if not diff_sd:
-        raise SystemExit(f"{readme}: no seed-study table with 'Both models' rows and 95% intervals to read")
+        raise SystemExit(f"{page}: no seed-study table with 'Both models' rows and 95% intervals to read")
     return {"method_sd": float(statistics.median(method_sd)), "paired_diff_sd": float(statistics.median(diff_sd)),
             "methods": len(method_sd), "intervals": len(diff_sd)}
 
 
 def draw(rng: np.random.Generator, seeds: int, delta: float, noise: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Per-seed scores of (method, reference) with the README's s.d.s."""
+    """Per-seed scores of (method, reference) with the tiny study's s.d.s."""
     own = noise["paired_diff_sd"] / math.sqrt(2)
     shared = math.sqrt(max(noise["method_sd"] ** 2 - own ** 2, 0.0))
     seed_effect = rng.normal(0, shared, seeds)
@@ -102,14 +102,14 @@ def main() -> None:
                              "default is 10000; 2000 keeps 6,000 simulated procedures within minutes on 2 cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    noise = readme_noise(ROOT / "README.md")
+    noise = study_noise(ROOT / "docs" / "tiny.md")
     s = Settings((("m", "ref"),), alpha=0.05, margin=1.0, per_round=4, max_seeds=12, permutations=args.permutations)
     at_alpha = replace(s, alpha=2 * s.alpha)   # Decider halves alpha: this calls AdaStop at 0.05 itself
     rng = np.random.default_rng(20231)
     runs = {"null": (0.0, args.sims), "1": (1.0, args.power_sims), "2": (2.0, args.power_sims)}
     out = {"rule": "AdaStop (adastop 0.1.3) at alpha/2 per side, 4 seeds per round, cap 12",
            "naive": "paired t-test at alpha after 4, 8, 12 seeds, stop at the first p < alpha",
-           "alpha": s.alpha, "sims": args.sims, "power_sims": args.power_sims, "noise_from_readme": noise,
+           "alpha": s.alpha, "sims": args.sims, "power_sims": args.power_sims, "noise_from_tiny_study": noise,
            "permutations": args.permutations}
     results = {}
     with Progress(disable=args.json, transient=True) as bar:
@@ -135,7 +135,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"noise from README: method s.d. {noise['method_sd']:.2f}, paired-difference s.d. "
+    print(f"noise from docs/tiny.md: method s.d. {noise['method_sd']:.2f}, paired-difference s.d. "
           f"{noise['paired_diff_sd']:.2f} points ({noise['methods']} methods)")
     print(f"no true difference, {args.sims} comparisons: false decisions {out['type1']:.3f} (rule), "
           f"{out['type1_naive']:.3f} (naive), {out['type1_adastop_at_alpha']:.3f} (AdaStop at alpha)")

@@ -1,4 +1,4 @@
-"""The shipped tiny models' row of README's table: tokenizer size, parameters, pass@1 per skill at T=1.
+"""The shipped tiny models' row of docs/tiny.md's table: tokenizer size, parameters, pass@1 per skill at T=1.
 
     python benchmarks/tiny_models.py [--problems 32] [--samples 8] [--seed 7]
 

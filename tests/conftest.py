@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir, initialize_config_module  # noqa: F401  (re-exported for tests)
 from hydra.core.global_hydra import GlobalHydra
-from private_slurm import PrivateSlurm, why_not_startable
+from support.private_slurm import PrivateSlurm, why_not_startable
 
 from graft_exp import tracking
 from graft_exp.config import register_schemas
@@ -28,10 +28,11 @@ def compose_cfg():
 
 
 @pytest.fixture(scope="session")
-def store_template(request) -> Path:
-    """An empty, fully migrated SQLite store, built once (MLflow's migrations take seconds) and
-    copied by every test that needs one."""
-    return tracking.empty_store_template(Path(request.config.cache.mkdir("graft-mlflow-store")))
+def store_template(own_home) -> Path:
+    """An empty, fully migrated SQLite store, built once per session (MLflow's migrations take seconds) and
+    copied by every test that needs one. It is the graft_exp cache's own template (under the session's
+    HOME), so the jobs the tests launch copy it too instead of building their own."""
+    return tracking.empty_store_template()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -59,7 +60,7 @@ def own_home(tmp_path_factory):
 
 # --- Slurm: the session's own cluster; a real one only when asked ------------------------------------
 # The service tests never submit to a Slurm they did not start: `sinfo` answering on a login node is the
-# site's cluster, not ours. They start a private cluster (tests/private_slurm.py) or, with
+# site's cluster, not ours. They start a private cluster (tests/support/private_slurm.py) or, with
 # GRAFT_TEST_SLURM_PARTITION set, run the tests that are safe there on that partition of the cluster the
 # environment points to.
 REAL_SLURM = "GRAFT_TEST_SLURM_PARTITION"
@@ -95,7 +96,7 @@ def slurm(tmp_path_factory):
     reason = why_not_startable()
     if reason:
         pytest.skip(f"no private Slurm cluster: {reason}. The tests never fall back to a Slurm already "
-                    f"running here; set {REAL_SLURM} (README) to run the safe ones on a real cluster")
+                    f"running here; set {REAL_SLURM} (docs/testing.md) to run the safe ones on a real cluster")
     cluster = PrivateSlurm(tmp_path_factory.mktemp("slurm"))
     with pytest.MonkeyPatch.context() as env:
         # Settings of an enclosing job or a site profile (SBATCH_PARTITION, SLURM_JOB_ID, ...) would

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from support.optional import from_verl
 
 from graft_exp.algorithms import (
     HACPO_KL_COEF,
@@ -131,7 +132,7 @@ def test_hacpo_self_rows_are_gspo_like_and_peer_clamp_tightens_with_m():
 
 
 def test_kl_estimators_match_verl():
-    from verl.trainer.ppo.core_algos import kl_penalty
+    kl_penalty = from_verl("verl.trainer.ppo.core_algos").kl_penalty
 
     log_prob = torch.tensor([[-1.0, -2.0, -0.1]])
     ref = torch.tensor([[-1.5, -2.0, -3.0]])

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from support.optional import from_verl
 
 from graft_exp.algorithms import (
     POLICY_LOSSES,
@@ -106,8 +107,8 @@ def test_micro_batches_with_global_token_count_sum_to_the_minibatch_loss():
 
 
 def test_equals_verl_vanilla_token_mean_loss_without_peers():
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
-    from verl.workers.config import ActorConfig
+    compute_policy_loss_vanilla = from_verl("verl.trainer.ppo.core_algos").compute_policy_loss_vanilla
+    ActorConfig = from_verl("verl.workers.config").ActorConfig
 
     config = ActorConfig(
         strategy="fsdp", clip_ratio_low=0.2, clip_ratio_high=0.28, ppo_micro_batch_size_per_gpu=1, rollout_n=8
@@ -232,7 +233,7 @@ def test_policy_losses_reject_bad_input(kwargs, message):
 
 def _vanilla_config(clip_low: float, clip_high: float, clip_ratio_c: float):
     """verl's own ActorConfig with the clip settings (the config compute_policy_loss_vanilla reads)."""
-    from verl.workers.config import ActorConfig
+    ActorConfig = from_verl("verl.workers.config").ActorConfig
 
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=1, use_dynamic_bsz=True,
                        ppo_max_token_len_per_gpu=64,
@@ -245,7 +246,7 @@ def test_graft_without_peers_equals_verl_vanilla_bit_for_bit(seed):
     """GRAFT with unit weights and no peer rows is verl's GRPO loss (compute_policy_loss_vanilla, dual clip
     3, token-mean), value and gradient identical bit for bit, on random inputs where negative advantages
     meet ratios far above 3 (the dual clip acts) and below 1 - 0.2."""
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+    compute_policy_loss_vanilla = from_verl("verl.trainer.ppo.core_algos").compute_policy_loss_vanilla
 
     gen = torch.Generator().manual_seed(seed)
     rows, width = 16, 24

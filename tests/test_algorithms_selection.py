@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.optional import from_verl
 
 from graft_exp.algorithms import (
     EXCHANGE_RULES,
@@ -43,7 +44,7 @@ def test_grpo_advantages_all_fail_and_all_pass_are_exactly_zero():
 
 
 def test_grpo_advantages_match_verl():
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+    compute_grpo_outcome_advantage = from_verl("verl.trainer.ppo.core_algos").compute_grpo_outcome_advantage
 
     rewards = torch.tensor([[1.0, 0, 0, 1, 1, 0, 0, 0], [0.0] * 8, [1.0] * 8, [0, 0, 0, 0, 0, 0, 0, 1.0]])
     P, n, T = rewards.shape[0], rewards.shape[1], 3

@@ -110,17 +110,19 @@ def test_rescue_matrix_reads_the_group_grpo_runs(analysis, tmp_path):
     assert paths[0].stat().st_size > 10_000
 
 
-def test_readme_group_section_is_generated_from_the_outputs(analysis, tmp_path):
-    out = tmp_path / "out"
+def test_group_page_section_is_generated_from_the_outputs(analysis, tmp_path):
+    out = tmp_path / "tiny3"
     tables.build_all(analysis)                   # every table builds on a store that holds a group
     render.write_table(tables.group_seeds(analysis), out)
     figures.rescue_matrix(analysis, out)
     begin, end = readme.SECTIONS[readme.GROUP_STUDY][:2]
-    path = tmp_path / "README.md"
+    path = tmp_path / "docs" / "groups.md"
+    path.parent.mkdir()
     path.write_text(f"# R\n\n{begin}\nstale\n{end}\n")
     readme.write(out, path, readme.GROUP_STUDY)
     text = path.read_text()
-    assert "stale" not in text and "**group-seeds**" in text and "rescue-matrix.png" in text
+    assert "stale" not in text and "**group-seeds**" in text and "](tiny3/rescue-matrix.png)" in text
+    assert (path.parent / "tiny3" / "rescue-matrix.png").read_bytes() == (out / "rescue-matrix.png").read_bytes()
     # the separation line names the single peer where the method alone does not say it
     assert f"GRAFT with {catalog.model_display(C)} on {catalog.model_display(A)}: +1.00 [+1.00, +1.00]" in text
     assert (f"Paired differences to best single peer whose 95% interval excludes zero: GRAFT, all peers "

@@ -148,7 +148,7 @@ def test_compute_seeds_costs(built):
     assert paired(graft_row) == interval(3.5, math.sqrt(3))
 
 
-def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
+def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path, monkeypatch):
     assert cli.main(["tables", "--tracking-uri", store_uri, "--experiment", "graft/tiny", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "main-seeds.md").read_text()
     assert "| **GRAFT** |" in text and "+4.00 [-0.97, +8.97] | 0.67 |" in text and "3/3" in text
@@ -166,34 +166,41 @@ def test_cli_writes_seed_tables_and_figures(store_uri, tmp_path):
     for name in ("val-curves-seeds", "pair-budget-seeds", "rescue-fraction"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
 
-    # The README's section is rebuilt from exactly these files; the text around it is kept.
-    project = tmp_path / "project"
-    project.mkdir()
+    # The page's section is rebuilt from exactly these files; the text around it is kept, and the figures go
+    # beside the page, linked relative to it.
+    docs = tmp_path / "project" / "docs"
+    docs.mkdir(parents=True)
+    page = docs / "tiny.md"
     before = f"# Results\n\nintro\n\n{readme.BEGIN}\nstale table\n{readme.END}\n\noutro\n"
-    (project / "README.md").write_text(before)
-    assert cli.main(["readme", str(project / "README.md"), "--out", str(tmp_path)]) == 0
-    text = (project / "README.md").read_text()
+    page.write_text(before)
+    assert cli.main(["readme", str(page), "--out", str(tmp_path)]) == 0
+    text = page.read_text()
     assert text.startswith("# Results\n\nintro\n\n") and text.endswith(f"{readme.END}\n\noutro\n")
     assert "stale table" not in text and (tmp_path / "main-seeds.md").read_text().strip() in text
-    assert (project / "docs" / tmp_path.name / "val-curves-seeds.png").read_bytes() == \
+    assert (docs / tmp_path.name / "val-curves-seeds.png").read_bytes() == \
         (tmp_path / "val-curves-seeds.png").read_bytes()
-    assert f"](docs/{tmp_path.name}/rescue-fraction.png)" in text
+    assert f"]({tmp_path.name}/rescue-fraction.png)" in text
     # GRAFT's intervals all include 0 (above); the stored runs' two paired differences are equal (s.d. 0), so
     # their zero-width intervals exclude it: A +1 on both seeds, B 0, both models (1 + 0) / 2.
     assert ("Paired differences to GRPO (n=8) whose 95% interval excludes zero: GRAFT w/ stored traj. on "
             "Tiny-Char-Llama: +1.00 [+1.00, +1.00]; GRAFT w/ stored traj. on both models: +0.50 [+0.50, +0.50].") in text
     assert "No method's paired difference to GRPO (n=8) has a 95% interval that excludes zero (3 paired seeds" in text
-    # Regenerating is idempotent, and a README without the markers is refused, unchanged.
-    assert cli.main(["readme", str(project / "README.md"), "--out", str(tmp_path)]) == 0
-    assert (project / "README.md").read_text() == text
+    # Regenerating is idempotent, and a page without the markers is refused, unchanged.
+    assert cli.main(["readme", str(page), "--out", str(tmp_path)]) == 0
+    assert page.read_text() == text
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "OTHER.md").write_text("no markers\n")
     assert cli.main(["readme", str(elsewhere / "OTHER.md"), "--out", str(tmp_path)]) == 2
-    assert (elsewhere / "OTHER.md").read_text() == "no markers\n" and not (elsewhere / "docs").exists()
-    # An output directory that tables/figures never wrote into is refused, the README unchanged.
-    assert cli.main(["readme", str(project / "README.md"), "--out", str(elsewhere)]) == 2
-    assert (project / "README.md").read_text() == text
+    assert (elsewhere / "OTHER.md").read_text() == "no markers\n" and not (elsewhere / tmp_path.name).exists()
+    # An output directory that tables/figures never wrote into is refused, the page unchanged.
+    assert cli.main(["readme", str(page), "--out", str(elsewhere)]) == 2
+    assert page.read_text() == text
+    # Without a page, the command rebuilds the section's own page (docs/tiny.md from the repository root).
+    page.write_text(before)
+    monkeypatch.chdir(tmp_path / "project")
+    assert cli.main(["readme", "--out", str(tmp_path)]) == 0
+    assert page.read_text() == text
 
 
 def test_seed_figure_points_match_tables(built):
@@ -202,15 +209,15 @@ def test_seed_figure_points_match_tables(built):
     assert set(points["method"]) == set(frames["compute-seeds"]["method"])
 
 
-def test_readme_section_is_generated_and_its_figures_exist():
-    """The project's README carries one generated tiny-study section (from `python -m analysis readme`), with
-    every table and figure it links to."""
-    root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text(encoding="utf-8")
+def test_tiny_page_section_is_generated_and_its_figures_exist():
+    """docs/tiny.md carries one generated tiny-study section (from `python -m analysis readme`), with every
+    table and figure it links to, the figures linked relative to the page."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    text = (docs / "tiny.md").read_text(encoding="utf-8")
     readme.splice(text, "")     # exactly one well-formed section, or SectionError
     generated = text.split(readme.BEGIN, 1)[1].split(readme.END, 1)[0]
     for label in readme.TABLES:
         assert f"**{label}**" in generated
     for name in readme.FIGURES:
-        assert (root / "docs" / "tiny" / f"{name}.png").stat().st_size > 0
-        assert f"](docs/tiny/{name}.png)" in generated
+        assert (docs / "tiny" / f"{name}.png").stat().st_size > 0
+        assert f"](tiny/{name}.png)" in generated

@@ -1,4 +1,4 @@
-"""Every bad input of ``tests/bad_inputs.py`` (the table in docs/bad-inputs.md) fails at once, in one
+"""Every bad input of ``tests/support/bad_inputs.py`` (the table in docs/bad-inputs.md) fails at once, in one
 clear message, with a non-zero exit and no traceback, and leaves the store and the checkpoint root as
 they were: no run, no experiment, no checkpoint directory."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bad_inputs import CASES, Case, prepare, run_case, seed_store, store_content
+from support.bad_inputs import CASES, Case, prepare, run_case, seed_store, store_content
 
 
 @pytest.fixture(scope="module")

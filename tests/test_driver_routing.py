@@ -1,4 +1,4 @@
-"""The driver's routing with the in-memory backend (tests/memory_backend.py): every declared method's step,
+"""The driver's routing with the in-memory backend (tests/support/memory_backend.py): every declared method's step,
 DAPO refills, HACPO's capability ratios, stored replay, checkpoint/resume and failure states, in well under
 a second per job (the real-model versions of these are in test_local.py and test_verl_contract.py)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from memory_backend import factory
-from mlflow_records import histories, model_runs
+from support.memory_backend import factory
+from support.mlflow_records import histories, model_runs
 
 from graft_exp import driver, methods, schema, tracking
 from graft_exp.algorithms import hacpo_capability, hacpo_capability_ratio, hacpo_positive_rate

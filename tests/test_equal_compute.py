@@ -9,9 +9,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from memory_backend import factory
 from mlflow.tracking import MlflowClient
-from mlflow_records import histories, model_runs
+from support.memory_backend import factory
+from support.mlflow_records import histories, model_runs
 
 from graft_exp import driver, schema, tracking
 from graft_exp.config import ConfigError, validate

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mlflow_records import histories, model_runs
+from support.mlflow_records import histories, model_runs
 
 from graft_exp import driver, scheduler, schema, tracking
 from graft_exp.backends import local

@@ -9,6 +9,7 @@ import sys
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf
+from support.optional import from_verl
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -75,7 +76,7 @@ def test_rows_follow_verl_schema_and_paper_prompt(tmp_path):
 
 
 def test_verl_dataset_reads_prepared_parquet(tmp_path):
-    from verl.utils.dataset.rl_dataset import RLHFDataset
+    RLHFDataset = from_verl("verl.utils.dataset.rl_dataset").RLHFDataset
 
     frame = verl_rows([{"question": "What is 6*7?", "answer": "42"}, {"question": "2+2?", "answer": "4"}],
                       SOURCES["amc23"])

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import requests
 from mlflow.tracking import MlflowClient
-from private_slurm import free_subnet
+from support.private_slurm import free_subnet
 
 from graft_exp import server as srv
 from graft_exp import tracking

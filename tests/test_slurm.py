@@ -1,4 +1,4 @@
-"""Real Slurm: the test session's own two-node cluster (``slurm`` fixture, tests/private_slurm.py), or an
+"""Real Slurm: the test session's own two-node cluster (``slurm`` fixture, tests/support/private_slurm.py), or an
 opted-in real partition for the tests that are safe there. A tiny 2-job sweep through ``cluster=slurm``
 into MLflow, one job per node; a job requeued mid-run that ends as one FINISHED run with every step
 exactly once; a failed job; run state following the queue; and the rule itself: with a decoy "site"
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from private_slurm import PrivateSlurm
+from support.private_slurm import PrivateSlurm
 
 from graft_exp import scheduler
 from graft_exp.launching import status

@@ -4,7 +4,7 @@ Selenium through Debian's chromedriver, against ``mlflow server`` on the store o
 The runs table (opened by the link ``graft_exp.tracking.ui_link`` prints) lists both job runs by name
 with their model runs nested and their data in the Dataset column; the chart view plots ``val/avg`` of
 the model runs of both jobs. Screenshots of both views are saved under the test's tmp_path (the
-README's images come from them). Install the browser with ``apt-get install chromium chromium-driver``
+docs/tracking.md's images come from them). Install the browser with ``apt-get install chromium chromium-driver``
 (``.ci/run`` does, as root); without it these tests skip and say so.
 """
 

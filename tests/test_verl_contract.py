@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mlflow_records import histories, model_runs
+from support.mlflow_records import histories, model_runs
+from support.verl_standins import EngineWorkerGroup
 from transformers import AutoConfig, AutoTokenizer
 from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
 from verl.utils import hf_tokenizer
 from verl.workers.rollout.replica import TokenOutput
-from verl_standins import EngineWorkerGroup
 
 from graft_exp import driver, schema, tracking
 from graft_exp.backends.local_policy import top_p_filter

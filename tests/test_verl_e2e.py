@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import ray
 import torch
-from mlflow_records import histories, model_runs
+from support.mlflow_records import histories, model_runs
+from support.verl_cpu import WORKER_ENV, cpu_replica_class
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
 from verl import DataProto
 from verl.utils import hf_tokenizer
 from verl.workers.rollout.replica import RolloutReplicaRegistry
-from verl_cpu import WORKER_ENV, cpu_replica_class
 
 from graft_exp import driver, tracking
 from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable

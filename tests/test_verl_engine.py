@@ -18,12 +18,12 @@ import torch
 from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from support.verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
-from verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV
 
 from graft_exp.backends.verl.config import ray_init_kwargs, verl_config
 from graft_exp.backends.verl.ray_slurm import start_local_ray

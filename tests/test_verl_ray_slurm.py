@@ -18,7 +18,7 @@ import pytest
 from graft_exp.backends.verl.ray_slurm import RayCluster, sbatch_script
 
 NODES = ("gpu01", "gpu02", "gpu03")
-PROBE = Path(__file__).resolve().parent / "verl_placement_probe.py"
+PROBE = Path(__file__).resolve().parent / "support" / "verl_placement_probe.py"
 
 
 def test_head_and_worker_commands():
@@ -106,7 +106,7 @@ def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp
                                                                  monkeypatch):
     """``sbatch_script(nodes=2, ...)`` on two Slurm nodes that are separate network hosts: the Ray head on node
     1, the worker on node 2, each with the CPUs and GPUs Slurm gave it; then, in place of the training job
-    (same overrides), tests/verl_placement_probe.py runs the verl backend up to its first GPU need: both
+    (same overrides), tests/support/verl_placement_probe.py runs the verl backend up to its first GPU need: both
     models' resource pools are placed, across both nodes, on every GPU of the allocation. Submitted by a
     user whose home holds another cluster's token and whose environment disables Ray's authentication:
     head, worker and driver use the job's own token, and that home is left as it was."""

@@ -1,4 +1,4 @@
-"""runtime.VerlModel over verl's own CPU-runnable code (tests/verl_standins.py says exactly what is stood in
+"""runtime.VerlModel over verl's own CPU-runnable code (tests/support/verl_standins.py says exactly what is stood in
 for): checkpoints through verl's FSDPCheckpointManager, any row count at data-parallel sizes 2 and 4 (verl's
 split, iterator and micro-batching), per-rank metrics through Metric.aggregate_dp, and the LR schedule
 through verl's own scheduler builder; plus the job-scoped Ray environment and socket names, and the replica
@@ -16,13 +16,13 @@ import ray
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from support.verl_standins import EngineWorkerGroup, aggregate_mini_batch_metrics, gather_by_key
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric.utils import Metric
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.replica import RolloutReplica
 from verl.workers.utils.padding import left_right_2_no_padding
-from verl_standins import EngineWorkerGroup, aggregate_mini_batch_metrics, gather_by_key
 
 from graft_exp.algorithms import graft_policy_loss, sgt_nll_loss
 from graft_exp.backends.verl import batch as vb

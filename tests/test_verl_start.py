@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import ray
 import torch
+from support.verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV, cpu_replica_class
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_engine import engine_config
 from test_verl_runtime import grpo_update
 from verl import DataProto
 from verl.workers.rollout.replica import RolloutReplicaRegistry
-from verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV, cpu_replica_class
 
 from graft_exp.backends.verl.config import ray_init_kwargs
 from graft_exp.backends.verl.ray_slurm import start_local_ray

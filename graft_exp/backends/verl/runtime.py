@@ -33,7 +33,7 @@ kills the model's servers and workers at the end of the job.
 
 Nothing in this module has run on a GPU in this project's CI (no GPU there); ``tests/test_verl_*.py``
 cover the CPU-side pieces it calls (config, batches, layout, loss) and drive ``VerlModel`` over an
-in-process stand-in of its FSDP worker group (``tests/verl_standins.py``).
+in-process stand-in of its FSDP worker group (``tests/support/verl_standins.py``).
 """
 
 from __future__ import annotations

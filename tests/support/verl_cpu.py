@@ -22,9 +22,10 @@ from verl.plugin.platform.platform_manager import PlatformRegistry
 #: Where the stand-in rollout writes the weights it received (``WeightsRollout.update_weights``).
 ROLLOUT_DIR_ENV = "VERL_CPU_ROLLOUT_DIR"
 
-#: The test directory (this module) and the project root (the worker classes) come first on the path.
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "verl_cpu", "VERL_PLATFORM": "cpu",
+#: The test directory (which holds this module as ``support.verl_cpu``) and the project root (the worker
+#: classes) come first on the path.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "support.verl_cpu", "VERL_PLATFORM": "cpu",
               "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")]))}
 
 

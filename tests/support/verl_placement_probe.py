@@ -23,7 +23,7 @@ from graft_exp.config import register_schemas, roles
 from graft_exp.objective import LossSpec
 
 register_schemas()
-with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
     cfg = compose(config_name="config", overrides=sys.argv[1:])
 models = [VerlModel(role, verl_config(cfg, role, str(Path(cfg.checkpoint_root) / role)),
                     LossSpec.from_method(cfg.method)) for role in roles(cfg.pair)]

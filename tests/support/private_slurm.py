@@ -17,8 +17,8 @@ resources can be exercised on a machine without GPUs. ``CR_LLN`` puts each job o
 
 Manual use (e.g. for ``benchmarks/launch_figures.py``)::
 
-    python tests/private_slurm.py start DIR     # prints `export SLURM_CONF=DIR/slurm.conf`
-    python tests/private_slurm.py stop DIR
+    python tests/support/private_slurm.py start DIR     # prints `export SLURM_CONF=DIR/slurm.conf`
+    python tests/support/private_slurm.py stop DIR
 """
 
 from __future__ import annotations
