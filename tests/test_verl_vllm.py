@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import ClassVar
 
+import psutil
 import pytest
 import verl_cpu
 
@@ -194,6 +196,18 @@ class Engines:
         return ray.get(server.take_requests.remote())
 
 
+def running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (an exited one not yet reaped by its parent is a zombie: gone)."""
+    out = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                out.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
@@ -213,13 +227,25 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
         try:
             yield made
         finally:
+            # Ray's head processes are this process's children, its workers theirs, vLLM's engine processes the
+            # server actors': every process the module started
+            started = psutil.Process().children(recursive=True)
             for model in made.live.values():
                 model.stop()   # the vLLM server actors (their engine processes exit with them) and the workers
             ray.shutdown()
+            alive = running(started)
+            deadline = time.monotonic() + 60
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.5)
+                alive = running(alive)
+            for process in alive:
+                process.kill()
             if made.ray_dir:
                 shutil.rmtree(made.ray_dir, ignore_errors=True)
-            left = verl_cpu.remove_shm_left(shm_before)
-            assert not left, f"shared-memory files left in /dev/shm: {left}"
+            removed, left = verl_cpu.remove_shm_left(shm_before)
+            print(f"/dev/shm files the engines left at exit, removed: {removed}")
+            assert not left, f"shared-memory files still held open in /dev/shm: {left}"
+            assert not alive, f"processes left running after the engines' shutdown (killed now): {alive}"
 
 
 def job_maker(compose_cfg, prepared, root: Path, method, *overrides):  # noqa: F811

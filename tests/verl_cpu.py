@@ -477,23 +477,35 @@ def vllm_replica_class():
     return RecordingReplica
 
 
-def remove_shm_left(before: set[str]) -> list[str]:
-    """Remove the files that appeared in /dev/shm since ``before`` and that no process holds open any more
-    (after every Ray and vLLM process of the test has exited). Returns the names of those still held open."""
+#: /dev/shm names this tier's processes create: verl's weight-transfer segment (bucketed_weight_transfer.py
+#: ``BucketedWeightSender``, left behind when its process is killed), Python shared memory (vLLM's message
+#: queues between its API server, engine core and worker processes) and Intel OpenMP's registration file
+#: (``__KMP_REGISTERED_LIB_<pid>_<uid>``, written by libiomp in every vLLM engine process, which vLLM ends by a
+#: signal, so the file is never unlinked).
+SHM_PREFIXES = ("verl_weights_", "psm_", "__KMP_REGISTERED_LIB_")
+
+
+def remove_shm_left(before: set[str]) -> tuple[list[str], list[str]]:
+    """Remove the files of ``SHM_PREFIXES`` that appeared in /dev/shm since ``before`` and that no process holds
+    open (run after every Ray and vLLM process of the test has exited; another user's files are never touched).
+    Returns (removed, still held open)."""
     if not os.path.isdir("/dev/shm"):
-        return []
+        return [], []
     held = set()
     for fd_dir in (f"/proc/{pid}/fd" for pid in os.listdir("/proc") if pid.isdigit()):
         try:
             held.update(os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir))
         except OSError:
             continue
-    left = []
+    removed, left = [], []
     for name in sorted(set(os.listdir("/dev/shm")) - before):
         path = os.path.join("/dev/shm", name)
+        if not name.startswith(SHM_PREFIXES):
+            continue
         if path in held:
             left.append(name)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-    return left
+            removed.append(name)
+    return removed, left
