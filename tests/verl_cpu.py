@@ -185,12 +185,16 @@ def patch_vllm_version() -> None:
 
 
 def repack_kept_weights(model) -> int:
-    """vLLM's CPU linear layers run on a oneDNN handle made from the weight when the model loads
-    (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``: ``create_onednn_mm``). Layers
-    that keep their weight parameter (``remove_weight=False``: the embedding and the LM head tied to it,
-    vocab_parallel_embedding.py ``UnquantizedEmbeddingMethod.process_weights_after_loading``) keep computing
-    with the handle of the start-up weight after an in-place reload (rollout log-probs off by up to 10 from
-    the trainer's); a fresh handle from the reloaded weight. Returns the layers repacked."""
+    """vLLM's CPU layers multiply through a oneDNN handle made from the weight when it is processed
+    (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``: ``create_onednn_mm``). A tied LM head
+    is its own layer sharing the embedding's weight: ``load_weights`` loads the tied weight through the embedding
+    and skips ``lm_head.weight``, so vLLM's in-place reload finds nothing to load into the head, puts its old
+    tensors back (model_loader/reload/layerwise.py ``finalize_layerwise_processing``: "Failed to load weights")
+    and never processes it again: the head keeps computing with the handle of the start-up (dummy) weights, and
+    rollout log-probs are far from the trainer's. Every layer that keeps its weight next to a handle
+    (``remove_weight=False``: the embedding and the head, vocab_parallel_embedding.py
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``) gets a fresh handle of its current weight.
+    Returns the layers repacked."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     repacked = 0
     for layer in model.modules():
