@@ -196,6 +196,16 @@ class Engines:
         return ray.get(server.take_requests.remote())
 
 
+def ray_or_vllm(process: psutil.Process) -> bool:
+    """Whether ``process`` is one of Ray's (head, raylet, workers: "ray::..." titles) or vLLM's (its API server
+    and engine processes, "VLLM::..." titles, started with multiprocessing's spawn)."""
+    try:
+        command = " ".join(process.cmdline()) + " " + process.name()
+    except psutil.Error:
+        return False
+    return any(mark in command for mark in ("ray::", "raylet", "gcs_server", "/ray/", "VLLM", "vllm", "spawn_main"))
+
+
 def running(processes: list[psutil.Process]) -> list[psutil.Process]:
     """Those of ``processes`` still running (an exited one not yet reaped by its parent is a zombie: gone)."""
     out = []
@@ -228,8 +238,8 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
             yield made
         finally:
             # Ray's head processes are this process's children, its workers theirs, vLLM's engine processes the
-            # server actors': every process the module started
-            started = psutil.Process().children(recursive=True)
+            # server actors' (the session's reward pool, also a child, is not the module's)
+            started = [p for p in psutil.Process().children(recursive=True) if ray_or_vllm(p)]
             for model in made.live.values():
                 model.stop()   # the vLLM server actors (their engine processes exit with them) and the workers
             ray.shutdown()

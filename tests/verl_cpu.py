@@ -191,8 +191,9 @@ def repack_kept_weights(model) -> int:
     and skips ``lm_head.weight``, so vLLM's in-place reload finds nothing to load into the head, puts its old
     tensors back (model_loader/reload/layerwise.py ``finalize_layerwise_processing``: "Failed to load weights")
     and never processes it again: the head keeps computing with the handle of the start-up (dummy) weights, and
-    rollout log-probs are far from the trainer's. Every layer that keeps its weight next to a handle
-    (``remove_weight=False``: the embedding and the head, vocab_parallel_embedding.py
+    rollout log-probs are far from the trainer's (tiny-char-llama, largest per-token difference from a
+    transformers forward: 9.1 after the reload, 1e-6 after this). Every layer that keeps its weight next to a
+    handle (``remove_weight=False``: the embedding and the head, vocab_parallel_embedding.py
     ``UnquantizedEmbeddingMethod.process_weights_after_loading``) gets a fresh handle of its current weight.
     Returns the layers repacked."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
