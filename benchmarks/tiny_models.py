@@ -1,6 +1,6 @@
 """The shipped tiny models' row of docs/tiny.md's table: tokenizer size, parameters, pass@1 per skill at T=1.
 
-    python benchmarks/tiny_models.py [--problems 32] [--samples 8] [--seed 7]
+    python benchmarks/tiny_models.py [--problems 32] [--samples 8] [--seed 7] [--models KEY ...]
 
 Each model samples ``--samples`` responses per held-out problem (the first ``--problems`` of each skill)
 at temperature 1.0 / top-p 1.0, the RL sampling settings; pass@1 is the share of correct responses.
@@ -26,11 +26,13 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--models", nargs="*", default=list(tiny.RECIPES), choices=list(tiny.RECIPES),
+                        help="the models to measure (default: every shipped one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     benchmarks = tiny.benchmarks()
     print(f"| model | tokens | params | pass@1 at T=1 ({' / '.join(benchmarks)}) |")
-    for key in tiny.RECIPES:
+    for key in args.models:
         model, tokenizer = tiny.load(key, progress=False)
         policy = LocalPolicy(key, model, tokenizer, torch.device("cpu"), TRAIN, 48)
         cells = []

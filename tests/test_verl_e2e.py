@@ -47,8 +47,6 @@ CPU_OVERRIDES = "backend.verl_overrides=[{}]".format(",".join(f"'{o}'" for o in 
     "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     *(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.{k}=fp32"
       for k in ("param_dtype", "reduce_dtype", "buffer_dtype")))))
-#: verl loads *ForCausalLM models only (``check_verl_loadable``): model B is a second copy of the tiny Llama.
-MODEL_B = "tiny-char-llama-b"
 
 
 def assert_rollout_used_trainer_weights(model, out: DataProto, temperature: float) -> None:
@@ -141,8 +139,6 @@ class EngineFactory:
 def factory(prepared, tmp_path_factory):  # noqa: F811
     """One Ray and one pair of worker groups for this module's jobs."""
     job_dir = tmp_path_factory.mktemp("verl_e2e")
-    if not (prepared / "models" / MODEL_B).is_dir():
-        shutil.copytree(prepared / "models" / "tiny-char-llama", prepared / "models" / MODEL_B)
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(RolloutReplicaRegistry._registry, "vllm", cpu_replica_class)
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):   # start_local_ray sets them
@@ -159,7 +155,9 @@ def factory(prepared, tmp_path_factory):  # noqa: F811
 
 def job_maker(compose_cfg, prepared, tmp_path, method, *overrides):  # noqa: F811
     def make_job():
-        cfg = compose_cfg("backend=verl", "pair=tiny", "pair.data=math", f"pair.B={MODEL_B}",
+        # pair=tiny_verl: tiny-char-llama and tiny-bpe-qwen3, two architectures and two tokenizers (verl loads
+        # *ForCausalLM models only, ``check_verl_loadable``: not pair=tiny's GPT-2)
+        cfg = compose_cfg("backend=verl", "pair=tiny_verl", "pair.data=math",
                           f"backend.data_dir={prepared / 'data'}", f"backend.model_dir={prepared / 'models'}",
                           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
                           *SMALL, f"method={method}", *overrides, CPU_OVERRIDES)

@@ -8,19 +8,27 @@ a trained model decodes as trained), over key/value buffers allocated once per b
 written per step. The prompt is still encoded once by the model's own forward; its keys and values
 are kept once per prompt and attended to by its n samples together.
 
-Supported: ``LlamaForCausalLM``, ``GPT2LMHeadModel`` and ``GPTNeoXForCausalLM``, the architectures of
-the tiny models.
+Supported: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM`` and ``Qwen3ForCausalLM`` (as many
+key/value heads as query heads), the architectures of the tiny models.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    GPT2LMHeadModel,
+    GPTNeoXForCausalLM,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen3ForCausalLM,
+)
 
-SUPPORTED = (LlamaForCausalLM, GPT2LMHeadModel, GPTNeoXForCausalLM)
+SUPPORTED = (LlamaForCausalLM, GPT2LMHeadModel, GPTNeoXForCausalLM, Qwen3ForCausalLM)
 
 
 def supports(model: PreTrainedModel) -> bool:
+    if type(model) is Qwen3ForCausalLM:   # grouped key/value heads would need their own cache layout
+        return model.config.num_key_value_heads == model.config.num_attention_heads
     return type(model) in SUPPORTED
 
 
@@ -40,7 +48,7 @@ class StaticCacheDecoder:
                             f"{type(model).__name__} is not one (use backend.sampler=loop)")
         self.model = model
         self.step_of = {LlamaForCausalLM: self._llama_step, GPT2LMHeadModel: self._gpt2_step,
-                        GPTNeoXForCausalLM: self._neox_step}[type(model)]
+                        GPTNeoXForCausalLM: self._neox_step, Qwen3ForCausalLM: self._llama_step}[type(model)]
         self.n = n
         self.generated = 0                    # tokens fed so far = filled generated cache slots
         # [layers, P, heads, width, head_dim], as the model's own forward computed them.
@@ -52,7 +60,7 @@ class StaticCacheDecoder:
         # 0 where a prompt's tokens are, -inf on its left padding.
         self.prompt_bias = self.prompt_keys.new_zeros((prompts, 1, 1, width)).masked_fill_(
             ~prompt_mask.bool()[:, None, None, :], float("-inf"))
-        rotary = {LlamaForCausalLM: lambda: model.model.rotary_emb,
+        rotary = {LlamaForCausalLM: lambda: model.model.rotary_emb, Qwen3ForCausalLM: lambda: model.model.rotary_emb,
                   GPTNeoXForCausalLM: lambda: model.gpt_neox.rotary_emb}.get(type(model))
         if rotary is not None:
             # RoPE's cos/sin for every position a row can reach, computed once by the model's own module.
@@ -94,6 +102,8 @@ class StaticCacheDecoder:
         return grouped(self.cos[positions]), grouped(self.sin[positions])
 
     def _llama_step(self, tokens, positions, slot):
+        """Llama's layer; also Qwen3's, whose attention normalises each head's query and key (RMSNorm over the
+        head's dimensions, ``q_norm`` / ``k_norm``) before the rotary embedding."""
         body = self.model.model
         x = body.embed_tokens(tokens[:, None])
         cos, sin = self._rotary(positions)
@@ -101,6 +111,8 @@ class StaticCacheDecoder:
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = self._grouped(attn.q_proj(h)), self._grouped(attn.k_proj(h)), self._grouped(attn.v_proj(h))
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             x = x + attn.o_proj(self._attend(index, q, k, v, slot, attn.scaling))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

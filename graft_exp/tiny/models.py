@@ -31,6 +31,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from graft_exp.cache import cache_dir
@@ -55,7 +57,7 @@ class TinyRecipe:
     """Everything that determines a tiny model's weights."""
 
     key: str
-    architecture: str                 # llama | gpt2 | neox
+    architecture: str                 # llama | gpt2 | neox | qwen3
     tokenizer: str                    # char | bpe | unigram
     skill_mix: dict[str, float]       # warm-start sampling weights per skill
     hidden: int = 128
@@ -92,6 +94,14 @@ RECIPES: dict[str, TinyRecipe] = {
         key="tiny-unigram-neox", architecture="neox", tokenizer="unigram",
         skill_mix={"mixed": 0.7, "mul": 0.2, "add": 0.05, "sub": 0.05}, seed=3, steps=800,
         extra={"unigram_vocab_size": 200},
+    ),
+    # Role B of the verl pair (``pair=tiny_verl``): verl trains *ForCausalLM models only and vLLM serves
+    # them, which GPT-2's ``GPT2LMHeadModel`` is not; a Qwen3 (the paper's Qwen3-1.7B-Base family: RMSNorm,
+    # per-head q/k RMSNorm, SwiGLU, rotary, tied embeddings) with the byte-level BPE, whose tokens share
+    # nothing with tiny-char-llama's characters. The same skill mix as tiny-bpe-gpt2 (B's role).
+    "tiny-bpe-qwen3": TinyRecipe(
+        key="tiny-bpe-qwen3", architecture="qwen3", tokenizer="bpe",
+        skill_mix={"sub": 0.4, "mixed": 0.4, "add": 0.1, "mul": 0.1}, seed=4,
     ),
 }
 
@@ -148,7 +158,16 @@ def init_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> PreTra
             pad_token_id=eos, hidden_dropout=0.0, attention_dropout=0.0,
         )
         return GPTNeoXForCausalLM(config)
-    raise ValueError(f"unknown architecture {recipe.architecture!r} (llama | gpt2 | neox)")
+    if recipe.architecture == "qwen3":
+        config = Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
+            num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+            num_key_value_heads=recipe.heads, head_dim=recipe.hidden // recipe.heads,
+            max_position_embeddings=recipe.max_positions, bos_token_id=eos, eos_token_id=eos,
+            pad_token_id=eos, tie_word_embeddings=True, attention_dropout=0.0,
+        )
+        return Qwen3ForCausalLM(config)
+    raise ValueError(f"unknown architecture {recipe.architecture!r} (llama | gpt2 | neox | qwen3)")
 
 
 def supervised_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> dict[str, torch.Tensor]:

