@@ -198,12 +198,13 @@ class Engines:
 
 def ray_or_vllm(process: psutil.Process) -> bool:
     """Whether ``process`` is one of Ray's (head, raylet, workers: "ray::..." titles) or vLLM's (its API server
-    and engine processes, "VLLM::..." titles, started with multiprocessing's spawn)."""
+    and engine processes, "VLLM::..." titles, started with multiprocessing's spawn). Not "vllm" alone: it may be
+    in every command's interpreter path (a checkout named after it)."""
     try:
         command = " ".join(process.cmdline()) + " " + process.name()
     except psutil.Error:
         return False
-    return any(mark in command for mark in ("ray::", "raylet", "gcs_server", "/ray/", "VLLM", "vllm", "spawn_main"))
+    return any(mark in command for mark in ("ray::", "raylet", "gcs_server", "/ray/", "VLLM::", "spawn_main"))
 
 
 def running(processes: list[psutil.Process]) -> list[psutil.Process]:
