@@ -219,8 +219,9 @@ def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_don
     loads into the model's parameters, which vLLM's CPU build has replaced by empty ones after packing them
     for oneDNN (vllm/model_executor/layers/linear.py ``UnquantizedLinearMethod.process_weights_after_loading``
     -> ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``): ``'Parameter' object has no attribute
-    'weight_loader'``, then a ``BufferError`` when the receiver closes the shared memory a failed bucket
-    still references, and a hang. Here the same transfer (verl's ``BucketedWeightReceiver``, over shared
+    'weight_loader'`` (``model.load_weights`` on a started vLLM 0.27.1 CPU engine); in verl's receiver the
+    probe of issue 31 then saw a ``BufferError`` (the shared memory closed while the failed bucket still
+    references it) and a hang. Here the same transfer (verl's ``BucketedWeightReceiver``, over shared
     memory: ``PlatformCPU.is_ipc_supported`` is False) goes into vLLM's own in-place reload
     (``Worker.reload_weights(weights_iterator=...)``: each layer back on its checkpoint shapes, loaded, packed
     again), then ``repack_kept_weights``. The buckets are copied out of the shared segment (on the CPU
