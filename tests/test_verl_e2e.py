@@ -1,9 +1,10 @@
 """The shared driver (``graft_exp.driver.fit``) on verl's real engine: ``VerlModel.start`` in a real local Ray on
 CPU (verl's FSDP1 engine workers at data-parallel size 2, ``LLMServerManager`` with our ``OffsetReplica``
 over the CPU replica, the Ray-actor ``AgentLoopManager``, the ``CheckpointEngineManager``), only vLLM
-stood in (``verl_cpu``). A job trains a step, validates and checkpoints, stops as a preempted job would; a
-fresh driver of the same MLflow run resumes from verl's checkpoint files, trains the second step,
-validates, checkpoints and evaluates the best checkpoint.
+stood in (``verl_cpu``; tests/test_verl_vllm.py runs vLLM's real CPU engine instead), on ``pair=tiny_verl``
+(tiny-char-llama and tiny-bpe-qwen3: two tokenizers). A job trains a step, validates and checkpoints, stops as
+a preempted job would; a fresh driver of the same MLflow run resumes from verl's checkpoint files, trains the
+second step, validates, checkpoints and evaluates the best checkpoint.
 
 Asserted on the way: every training rollout was sampled with the weights the trainer holds at that moment
 (the rollout's own log-probs equal the trainer's, first step after the resume included), and the final

