@@ -10,7 +10,10 @@ probability that the method beats the reference on a seed, and each method's int
 
 Equal compute: job runs with ``graft.budget_gpu_hours`` (``train.max_gpu_hours`` or ``gpu_hours_of``)
 against runs of the same method, pair and seed with every other setting equal but no budget (the same
-number of steps as the reference job); scores are the job's models' mean ``test/avg`` in points.
+number of steps as the reference job); scores are the job's models' mean ``test/avg`` in points. A
+budgeted job's reference is the run its ``train.gpu_hours_of`` names; jobs are shared between studies by
+run key, so the reference and the equal-steps twins are looked up in every ``graft/*`` experiment (a
+sweep that reuses another study's GRPO n=8 jobs finds them there).
 """
 
 from __future__ import annotations
@@ -113,7 +116,10 @@ def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
         tags = run.data.tags
         if schema.MODEL in tags or schema.RUN_KEY not in tags or run.info.run_id not in models:
             continue
-        rows.append({"run_id": run.info.run_id, "method": tags.get(schema.METHOD), "pair": tags.get(schema.PAIR),
+        rows.append({"run_id": run.info.run_id, "run_key": tags[schema.RUN_KEY],
+                     "reference_key": run.data.params.get("train.gpu_hours_of", "None"),
+                     "experiment_id": run.info.experiment_id,
+                     "method": tags.get(schema.METHOD), "pair": tags.get(schema.PAIR),
                      "seed": int(tags.get(schema.SEED)),
                      "budget": float(tags[schema.BUDGET]) if schema.BUDGET in tags else math.nan,
                      "steps": int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else math.nan,
@@ -131,40 +137,61 @@ def _paired(diffs: np.ndarray) -> str:
     return f"{diffs.mean():+.2f} [{diffs.mean() - half:+.2f}, {diffs.mean() + half:+.2f}]"
 
 
-def equal_compute(jobs: pd.DataFrame, reference: str) -> pd.DataFrame:
-    """Per budgeted method: the score at equal compute and at equal steps, each with its paired (same
-    seed) difference to ``reference`` (whose own run is both: the budget is its cost)."""
-    if jobs.empty or jobs["budget"].isna().all():
+def equal_compute(jobs: pd.DataFrame, reference: str, study: list[str] | None = None) -> pd.DataFrame:
+    """Per budgeted method of the ``study`` experiments (all when None): the score at equal compute and at
+    equal steps, each with its paired (same seed) difference to its reference job: the run its
+    ``train.gpu_hours_of`` names, else the ``reference`` method's unbudgeted run of the same pair, seed and
+    settings. The reference's own row is both: the budget is its cost."""
+    if jobs.empty:
         return pd.DataFrame()
-    budgeted = jobs[jobs["budget"].notna()]
+    in_study = jobs["experiment_id"].isin(study) if study is not None else pd.Series(True, index=jobs.index)
+    budgeted = jobs[in_study & jobs["budget"].notna()]
     plain = jobs[jobs["budget"].isna()]
-    ref = plain[plain["method"] == reference].set_index(["pair", "seed"])
+    if budgeted.empty:
+        return pd.DataFrame()
+    by_key = plain.drop_duplicates("run_key").set_index("run_key")
+    fallback = plain[plain["method"] == reference].drop_duplicates(["pair", "seed", "setting"])
+
+    def reference_of(job) -> pd.Series | None:
+        if job["reference_key"] in by_key.index:
+            return by_key.loc[job["reference_key"]]
+        same = fallback[(fallback["pair"] == job["pair"]) & (fallback["seed"] == job["seed"])
+                        & (fallback["setting"] == job["setting"])]
+        return None if same.empty else same.iloc[0]
+
+    refs = {i: reference_of(job) for i, job in budgeted.iterrows()}
+    ref_rows = pd.DataFrame([r for r in refs.values() if r is not None]).drop_duplicates(["pair", "seed", "setting"])
     rows = []
-    for method, group in [(reference, None), *budgeted.groupby("method")]:
-        if group is None:
-            group = ref.reset_index()
-            twins = group
-        else:
-            twins = group.merge(plain, on=["method", "pair", "seed", "setting"], suffixes=("", "_steps"))
-        keys = list(zip(group["pair"], group["seed"]))
-        base = np.array([ref["score"].get(k, math.nan) for k in keys])
-        at_compute = group["score"].to_numpy()
-        steps_keys = list(zip(twins["pair"], twins["seed"]))
-        at_steps = twins["score_steps" if "score_steps" in twins else "score"].to_numpy()
-        steps_base = np.array([ref["score"].get(k, math.nan) for k in steps_keys])
-        ok, ok_steps = ~np.isnan(base), ~np.isnan(steps_base)
-        rows.append({
-            "method": method, "seeds": len(group),
-            "steps (min-max)": f"{int(np.nanmin(group['steps']))}-{int(np.nanmax(group['steps']))}",
-            "GPU-h per job": float(group["gpu_hours"].mean()),
-            "score at equal compute": f"{at_compute.mean():.2f} ± {at_compute.std(ddof=1) if len(group) > 1 else 0:.2f}",
-            f"Δ vs {reference}, equal compute [95% CI]": "—" if method == reference else _paired(at_compute[ok] - base[ok]),
-            "seeds at equal steps": len(twins),
-            "score at equal steps": f"{at_steps.mean():.2f}" if len(twins) else "—",
-            f"Δ vs {reference}, equal steps [95% CI]": ("—" if method == reference or not len(twins)
-                                                        else _paired(at_steps[ok_steps] - steps_base[ok_steps])),
-        })
+    if not ref_rows.empty:
+        scores = ref_rows["score"].to_numpy()
+        rows.append(_equal_compute_row(reference, ref_rows, scores, None, scores, None, reference))
+    for method, group in budgeted.groupby("method"):
+        base = np.array([refs[i]["score"] if refs[i] is not None else math.nan for i in group.index])
+        twins = group.assign(base=base).merge(plain, on=["method", "pair", "seed", "setting"], suffixes=("", "_steps"))
+        rows.append(_equal_compute_row(method, group, group["score"].to_numpy(), base,
+                                       twins["score_steps"].to_numpy(), twins["base"].to_numpy(), reference))
     return pd.DataFrame(rows)
+
+
+def _equal_compute_row(method: str, group: pd.DataFrame, at_compute: np.ndarray, base: np.ndarray | None,
+                       at_steps: np.ndarray, steps_base: np.ndarray | None, reference: str) -> dict:
+    """One method's row: ``base``/``steps_base`` are its jobs' reference scores (None: the reference itself)."""
+    def delta(scores, bases):
+        if bases is None or not len(scores):
+            return "—"
+        ok = ~np.isnan(bases)
+        return _paired(scores[ok] - bases[ok])
+
+    return {
+        "method": method, "seeds": len(group),
+        "steps (min-max)": f"{int(np.nanmin(group['steps']))}-{int(np.nanmax(group['steps']))}",
+        "GPU-h per job": float(group["gpu_hours"].mean()),
+        "score at equal compute": f"{at_compute.mean():.2f} ± {at_compute.std(ddof=1) if len(group) > 1 else 0:.2f}",
+        f"Δ vs {reference}, equal compute [95% CI]": delta(at_compute, base),
+        "seeds at equal steps": len(at_steps),
+        "score at equal steps": f"{at_steps.mean():.2f}" if len(at_steps) else "—",
+        f"Δ vs {reference}, equal steps [95% CI]": delta(at_steps, steps_base),
+    }
 
 
 def write(client: MlflowClient, names: list[str] | None, out: Path, reference: str) -> list[Path]:
@@ -176,7 +203,7 @@ def write(client: MlflowClient, names: list[str] | None, out: Path, reference: s
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
         paths += _write_frame(table, out / "decisions", _decision_markdown(table))
-    ec = equal_compute(job_scores(client, ids), reference)
+    ec = equal_compute(job_scores(client, _experiments(client, None)), reference, ids)
     if not ec.empty:
         paths += _write_frame(ec, out / "equal_compute", markdown(ec))
     return paths

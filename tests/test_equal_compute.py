@@ -6,6 +6,7 @@ replaced) so that the step the budget runs out at is known exactly, whatever the
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -83,3 +84,34 @@ def test_bad_budgets_fail_in_one_line(compose_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         validate(compose_cfg(*overrides))
     assert "\n" not in str(err.value)
+
+
+def test_the_equal_compute_table_finds_each_reference_by_the_key_it_names():
+    """A budgeted job's reference is the run ``train.gpu_hours_of`` names, wherever it lives: the study
+    that reused another study's GRPO n=8 jobs (same run key) has them in that study's experiment, as have
+    the equal-steps twins (the same method at the reference's steps). Deltas are hand-computed."""
+    import pandas as pd
+
+    from analysis.decisions import equal_compute
+
+    def job(key, method, seed, score, experiment, budget=math.nan, reference="None", steps=20, setting="s"):
+        return {"run_key": key, "reference_key": reference, "experiment_id": experiment, "method": method,
+                "pair": "tiny", "seed": seed, "budget": budget, "steps": steps, "gpu_hours": 1.0,
+                "score": score, "setting": setting}
+
+    jobs = pd.DataFrame([
+        job("r0", "grpo_n8", 0, 30.0, "decide"), job("r1", "grpo_n8", 1, 32.0, "decide"),
+        job("g0", "graft", 0, 35.0, "decide"), job("g1", "graft", 1, 36.0, "decide"),   # equal steps
+        job("e0", "graft", 0, 33.0, "equal", budget=1.0, reference="r0", steps=14),
+        job("e1", "graft", 1, 35.0, "equal", budget=1.0, reference="r1", steps=13),
+        job("x0", "grpo_n8", 0, 99.0, "decide", setting="other"),   # another setting: never the reference
+    ])
+    table = equal_compute(jobs, "grpo_n8", study=["equal"]).set_index("method")
+    assert list(table.index) == ["grpo_n8", "graft"]
+    assert table.loc["grpo_n8", "score at equal compute"] == "31.00 ± 1.41"
+    graft = table.loc["graft"]
+    assert graft["steps (min-max)"] == "13-14" and graft["seeds at equal steps"] == 2
+    assert graft["Δ vs grpo_n8, equal compute [95% CI]"].startswith("+3.00 [")   # (3 + 3) / 2
+    assert graft["Δ vs grpo_n8, equal steps [95% CI]"].startswith("+4.50 [")     # (5 + 4) / 2
+    assert graft["score at equal steps"] == "35.50"
+    assert equal_compute(jobs, "grpo_n8", study=["decide"]).empty   # no budgeted job there
