@@ -12,7 +12,7 @@ of the group's members; with K > 2 a receiver offered a prompt by several source
       w(o|q)          = method.weights(s, rewards)                  eq. (9) / no gate / random / success
       rows            = own groups, selected groups replaced by S's whole group with S's advantages
                         (w = 0 rows removed; pooled variant keeps both groups, HACPO pools everything)
-      minibatches     = ordering(method.peer_position)              peer-last by default
+      minibatches     = method.peer_position(peer groups)           peer-last by default
 
 Everything numeric is delegated to ``graft_exp.algorithms``; this module only routes by the answers
 of the method's components (``graft_exp.methods``). Scoring needs the receiver's model, so the backend passes a ``Scorer``: given prompt indices
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from graft_exp.algorithms import (
-    MINIBATCH_ORDERINGS,
     compatibility_score,
     draw_one_correct_response,
     hacpo_advantages,
@@ -71,7 +70,7 @@ class ReceiverBatch:
 
     def minibatches(self, method: Method, groups_per_minibatch: int, generator: torch.Generator) -> list[list[int]]:
         """Group indices of each minibatch, in processing order (peer-last / first / uniform)."""
-        order = MINIBATCH_ORDERINGS[method.peer_position](self.group_is_peer, groups_per_minibatch, generator)
+        order = method.peer_position(self.group_is_peer, groups_per_minibatch, generator)
         return [groups.tolist() for groups in order]
 
     def rows_in(self, groups: list[int]) -> list[Row]:

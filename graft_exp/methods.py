@@ -163,9 +163,30 @@ RATIOS = Registry("method.ratio")
 RATIOS.register("token", "graft")             # eq. (7)
 RATIOS.register("sequence", "sequence_ratio")  # App. G ablation
 
-PEER_POSITIONS = Registry("method.peer_position")   # ``algorithms.MINIBATCH_ORDERINGS``' names
-for _name in ("last", "first", "uniform"):
-    PEER_POSITIONS.register(_name, _name)
+#: ``order(is_peer_group [P], groups_per_minibatch, generator) -> minibatches``: the group indices of each
+#: minibatch, in processing order; where the minibatches holding peer groups go.
+PEER_POSITIONS = Registry("method.peer_position")
+
+
+@PEER_POSITIONS.register("last")
+def _peer_last(is_peer_group, groups_per_minibatch, generator):
+    """Peer groups in the last minibatches (Alg. 1)."""
+    from graft_exp.algorithms import peer_last_minibatches
+    return peer_last_minibatches(is_peer_group, groups_per_minibatch, generator)
+
+
+@PEER_POSITIONS.register("first")
+def _peer_first(is_peer_group, groups_per_minibatch, generator):
+    """Peer groups in the first minibatches (App. G)."""
+    from graft_exp.algorithms import peer_first_minibatches
+    return peer_first_minibatches(is_peer_group, groups_per_minibatch, generator)
+
+
+@PEER_POSITIONS.register("uniform")
+def _peer_uniform(is_peer_group, groups_per_minibatch, generator):
+    """Peer-last minibatches in a seeded random order (App. G)."""
+    from graft_exp.algorithms import uniform_minibatches
+    return uniform_minibatches(is_peer_group, groups_per_minibatch, generator)
 
 
 @dataclass(frozen=True)
@@ -209,7 +230,6 @@ class PeerLoss:
     pools_every_prompt: bool = False     # own and peer groups both stay on every prompt
     capability_advantages: bool = False  # advantages from the models' capability tracker (HACPO)
     groups_per_prompt: int = 1      # groups a prompt's rows form in the receiver batch (own + peer kept apart: 2)
-    sequence_level: bool = False    # averages and clip counts over sequences, not tokens
     own_minibatch: bool = False     # minibatch size from the method's own settings (method.hacpo.minibatch_prompts)
     kl_to_initial: bool = False     # a KL term to the initial policy (method.hacpo.kl_coef) on own rows
     own_clip: bool = False          # self-ratio clip from the method's own settings (method.hacpo.self_clip_*)
@@ -222,7 +242,7 @@ PEER_LOSSES.register("graft", PeerLoss())                                       
 PEER_LOSSES.register("luffy", PeerLoss(objective="luffy", gated=False))               # App. B
 PEER_LOSSES.register("nll", PeerLoss(objective="sgt", nll_only=True))                 # SGT, App. B
 PEER_LOSSES.register("hacpo", PeerLoss(objective="hacpo", gated=False, pools_every_prompt=True,
-                                       capability_advantages=True, groups_per_prompt=2, sequence_level=True,
+                                       capability_advantages=True, groups_per_prompt=2,
                                        own_minibatch=True, kl_to_initial=True, own_clip=True,
                                        two_models_only="its capability-aware advantages pool exactly two "
                                                        "models' groups"))   # App. B
@@ -288,7 +308,7 @@ class Method:
     peer_responses: Callable
     advantages: Advantages
     objective: str                  # ``objective.OBJECTIVES`` key of the receiver loss
-    peer_position: str
+    peer_position: Callable         # ``PEER_POSITIONS`` entry: the minibatch order
     source: Source
     peer_loss: PeerLoss
     source_rule: SourceRule
@@ -305,11 +325,6 @@ class Method:
     @property
     def replays_stored_log(self) -> bool:
         return self.source.replays_log_of is not None
-
-    @property
-    def needs_reference_model(self) -> bool:
-        """The loss has a KL term to the frozen initial policy (HACPO with kl_coef > 0)."""
-        return self.peer_loss.kl_to_initial and float(self.config.hacpo.kl_coef) > 0
 
     def minibatch_prompts(self, train) -> int:
         """Prompt groups per optimizer minibatch: Table 3's ``train.minibatch_prompts`` (32 of 128), or the

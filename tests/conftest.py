@@ -49,6 +49,17 @@ def store_template(own_home) -> Path:
     return tracking.empty_store_template()
 
 
+@pytest.fixture(scope="session")
+def new_store(store_template):
+    """``new_store(folder)``: a new SQLite store ``folder/mlflow.db``, a copy of the migrated template, and
+    its URI. A store MLflow creates itself runs every schema migration first, seconds per store."""
+    def make(folder: Path, name: str = "mlflow.db") -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(store_template, folder / name)
+        return f"sqlite:///{folder / name}"
+    return make
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_ambient_tracking_server():
     """A researcher's MLFLOW_TRACKING_URI (their real server) and its credentials never reach the tests:

@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft_exp.algorithms import (
-    MINIBATCH_ORDERINGS,
     pack_minibatches,
     peer_first_minibatches,
     peer_last_minibatches,
     uniform_minibatches,
 )
+from graft_exp.methods import PEER_POSITIONS, UnknownName
 
 IS_PEER = torch.tensor([0, 1, 0, 1, 0, 0, 1, 0], dtype=torch.bool)
 
@@ -59,10 +59,17 @@ def test_uniform_order_under_a_seed():
         uniform_minibatches(IS_PEER, 3)
 
 
-def test_registry_and_bad_input():
-    assert MINIBATCH_ORDERINGS["last"] is peer_last_minibatches
-    assert MINIBATCH_ORDERINGS["first"] is peer_first_minibatches
-    assert MINIBATCH_ORDERINGS["uniform"] is uniform_minibatches
+def test_peer_positions_order_as_their_rules():
+    """``method.peer_position`` names these orderings (``methods.PEER_POSITIONS``), the generator included."""
+    for name, rule in (("last", peer_last_minibatches), ("first", peer_first_minibatches),
+                       ("uniform", uniform_minibatches)):
+        ours = PEER_POSITIONS.get(name)(IS_PEER, 3, torch.Generator().manual_seed(1))
+        assert as_lists(ours) == as_lists(rule(IS_PEER, 3, torch.Generator().manual_seed(1))), name
+    with pytest.raises(UnknownName, match="method.peer_position='middle' is not one of last, first, uniform"):
+        PEER_POSITIONS.get("middle")
+
+
+def test_bad_input():
     with pytest.raises(ValueError, match="groups_per_minibatch"):
         pack_minibatches(IS_PEER, 0)
     with pytest.raises(ValueError, match="bool mask"):

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from support.optional import from_verl
 
 from graft_exp.algorithms import (
-    EXCHANGE_RULES,
     balanced_exchange,
     complementary_candidates,
     count_matched_random_exchange,
@@ -21,6 +20,7 @@ from graft_exp.algorithms import (
     select_with_ties,
     sgt_rescue_prompts,
 )
+from graft_exp.methods import SELECTIONS
 
 
 def mask(*indices, size):
@@ -195,11 +195,14 @@ def test_sgt_rescue_includes_full_peer_groups_and_is_unbalanced():
     assert torch.equal(b_to_a, mask(2, size=5))
 
 
-def test_exchange_rules_registry():
+def test_selection_rules_by_their_config_names():
+    """``method.selection`` names these rules (``methods.SELECTIONS``): SGT's rescue, eq. (3) alone, eq. (3)
+    balanced."""
     k_a, k_b = torch.tensor([8, 2, 1, 0]), torch.tensor([0, 0, 0, 3])
-    assert torch.equal(EXCHANGE_RULES["rescue"](k_a, k_b, 8)[0], mask(0, 1, 2, size=4))
-    assert torch.equal(EXCHANGE_RULES["complementary"](k_a, k_b, 8)[0], mask(1, 2, size=4))
-    assert torch.equal(EXCHANGE_RULES["balanced"](k_a, k_b, 8)[0], mask(1, size=4))
+    a_to_b = {name: SELECTIONS.get(name).rule(k_a, k_b, 8, None)[0] for name in ("rescue", "complementary", "balanced")}
+    assert torch.equal(a_to_b["rescue"], mask(0, 1, 2, size=4))
+    assert torch.equal(a_to_b["complementary"], mask(1, 2, size=4))
+    assert torch.equal(a_to_b["balanced"], mask(1, size=4))
 
 
 def test_draw_one_correct_response():

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from graft_exp.algorithms import (
-    PEER_WEIGHTINGS,
     compatibility_score,
     compatibility_weight,
     grpo_advantages,
@@ -56,7 +55,6 @@ def test_compatibility_weight_floor_and_cap():
     # no floor (delta = 0): every response admitted with min(s, 1)
     torch.testing.assert_close(compatibility_weight(score, 0.0), score.clamp(max=1.0))
     assert torch.equal(ungated_weight(score), torch.ones(6))
-    assert PEER_WEIGHTINGS["gated"] is compatibility_weight and PEER_WEIGHTINGS["ungated"] is ungated_weight
 
 
 @pytest.mark.parametrize("delta", [-0.1, 1.5])

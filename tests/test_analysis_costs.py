@@ -110,9 +110,9 @@ STORED_BARS = {("S←Q", "graft"): (4.0, 8.0, None), ("S←Q", "graft_stored"): 
 
 
 @pytest.fixture(scope="module")
-def store_uri(tmp_path_factory):
+def store_uri(tmp_path_factory, new_store):
     root = tmp_path_factory.mktemp("costs")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root)
     write_jobs(uri, timed_jobs(), root / "artifacts")
     return uri
 
@@ -218,9 +218,9 @@ AVGS = {(S, "grpo_n8"): .30, (Q, "grpo_n8"): .20, (S, "grpo_n16"): .32, (Q, "grp
         (Q, "graft"): .26, (S, "graft_stored"): .37, (Q, "graft_stored"): .25}
 
 
-def test_shares_that_do_not_add_up_are_reported(tmp_path, caplog):
+def test_shares_that_do_not_add_up_are_reported(tmp_path, caplog, new_store):
     """A backend that charges each co-trained model the whole step logs shares summing to twice the job."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     legacy = job("graft", [model(S, "A", "graft", .38, 4), model(Q, "B", "graft", .26, 8)],
                  {"A": every(900), "B": every(900)}, {"A": 4, "B": 4})
     legacy.metrics["cost/gpu_hours"] = {s: v / 2 for s, v in legacy.metrics["cost/gpu_hours"].items()}

@@ -13,9 +13,9 @@ FIGURES = ("val-curves", "rescue-fraction", "pair-budget", "stored-vs-online", "
 
 
 @pytest.fixture(scope="module")
-def store_uri(tmp_path_factory):
+def store_uri(tmp_path_factory, new_store):
     root = tmp_path_factory.mktemp("figures")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root)
     write_jobs(uri, golden_jobs(), root / "artifacts")
     return uri
 

@@ -65,9 +65,9 @@ def jobs() -> list[JobSpec]:
 
 
 @pytest.fixture(scope="module")
-def analysis(tmp_path_factory):
+def analysis(tmp_path_factory, new_store):
     where = tmp_path_factory.mktemp("groups")
-    uri = f"sqlite:///{where / 'mlflow.db'}"
+    uri = new_store(where)
     write_jobs(uri, jobs(), where / "artifacts")
     return Analysis(load_store(uri))
 

@@ -67,9 +67,9 @@ def seed_jobs() -> list[JobSpec]:
 
 
 @pytest.fixture(scope="module")
-def store_uri(tmp_path_factory):
+def store_uri(tmp_path_factory, new_store):
     root = tmp_path_factory.mktemp("seeds")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root)
     write_jobs(uri, seed_jobs(), root / "artifacts")
     return uri
 

@@ -93,9 +93,9 @@ def golden_jobs() -> list[JobSpec]:
 
 
 @pytest.fixture(scope="module")
-def store_uri(tmp_path_factory):
+def store_uri(tmp_path_factory, new_store):
     root = tmp_path_factory.mktemp("golden")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = new_store(root)
     write_jobs(uri, golden_jobs(), root / "artifacts")
     return uri
 
@@ -294,14 +294,14 @@ def test_all_fraction_scale_detection(built):
     assert np.isclose(analysis.scores(analysis.find("t", "graft", S, Q), ["math500"])["math500"].mean(), 67)
 
 
-def test_tables_say_when_they_mix_environments(tmp_path, capsys):
+def test_tables_say_when_they_mix_environments(tmp_path, capsys, new_store):
     """A table whose runs ran on different library versions or GPUs says so, naming the difference."""
     def env(torch):
         return {"graft.env.torch": torch, "graft.env.vllm": "0.11.0", "graft.env.gpu": "NVIDIA H100 80GB HBM3"}
     jobs = [single("grpo_n8", S, "A", 0, scores([.60, .62], [.10, .12])),
             single("grpo_n8", Q, "B", 0, scores([.50, .50], [.05, .05]))]
     jobs[0].environment, jobs[1].environment = env("2.8.0"), env("2.9.1")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_store(tmp_path)
     write_jobs(uri, jobs, tmp_path / "artifacts")
     analysis = Analysis(load_store(uri))
     build_all(analysis)

@@ -21,6 +21,7 @@ def files_under(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
 
 
+@pytest.mark.slow   # a process per case: 52 launches
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_fails_early_and_creates_nothing(case: Case, seeded_store, tmp_path):
     if case.without_gpu:

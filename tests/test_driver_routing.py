@@ -38,7 +38,16 @@ def fit(cfg, job, stop_at_step=None, **options):
     return created, scores
 
 
-@pytest.mark.parametrize("name", [m for m in methods.METHODS if not m.endswith("_stored")])
+#: The quick tier routes one method of each kind (GRPO alone, with dynamic sampling, GRAFT's online
+#: exchange, SGT's rescue, HACPO's pooling); the slow tier routes every declared method.
+QUICK = {"grpo_n8", "grpo_ds", "graft", "sgt", "hacpo"}
+
+
+def quick_or_slow(names):
+    return [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in names]
+
+
+@pytest.mark.parametrize("name", quick_or_slow(m for m in methods.METHODS if not m.endswith("_stored")))
 def test_every_method_routes_through_its_components(make_job, name):
     cfg, job = make_job(f"method={name}")
     (backend,), scores = fit(cfg, job)
@@ -86,7 +95,8 @@ def test_a_co_trained_step_exchanges_complementary_prompts(make_job):
         assert update.own.rollouts.k[row.prompt] == 0 and 1 <= update.source.k[row.prompt] < update.source.n
 
 
-@pytest.mark.parametrize("rule", ["most_successes", "compatibility", "random"])
+@pytest.mark.parametrize("rule", ["most_successes", pytest.param("compatibility", marks=pytest.mark.slow),
+                                  pytest.param("random", marks=pytest.mark.slow)])
 def test_a_group_of_three_exchanges_along_every_ordered_pair(make_job, rule):
     cfg, job = make_job("group=tiny3", "method=graft", "train.batch_prompts=16", f"method.source_rule={rule}")
     (backend,), _ = fit(cfg, job)

@@ -44,6 +44,7 @@ def test_the_blocker_hides_what_it_names(tmp_path):
     assert done.returncode == 1 and "ModuleNotFoundError: No module named 'datasets'" in done.stderr
 
 
+@pytest.mark.slow   # a process per entry point
 @pytest.mark.parametrize(("feature", "args", "created"), [
     ("python -m graft_exp.prepare", ["-m", "graft_exp.prepare", "--data-dir", "data", "--model-dir", "models"], ["data", "models"]),
     ("python -m graft_exp.server", ["-m", "graft_exp.server", "start", "--dir", "srv", "--host", "127.0.0.1"], ["srv"]),
@@ -62,6 +63,7 @@ def test_a_missing_optional_dependency_stops_with_the_install_line(feature, args
     assert not [name for name in created if (tmp_path / name).exists()]
 
 
+@pytest.mark.slow   # python -m graft_exp --help and its completion, each a process
 def test_help_and_completion_offer_only_choosable_options(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     shown = subprocess.run([sys.executable, "-m", "graft_exp", "--help"], capture_output=True, text=True,

@@ -104,6 +104,7 @@ def _prepare(tmp_path, *args):
                           check=False, capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow   # a python -m graft_exp.prepare launch that waits for the hub
 def test_unreachable_hub_gives_clear_error(tmp_path):
     result = _prepare(tmp_path, "--sets", "amc23", "--no-models")
     assert result.returncode == 2

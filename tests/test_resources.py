@@ -105,6 +105,7 @@ def test_several_nodes_state_the_shared_filesystem(compose_cfg):
     assert not _plan(compose_cfg, "pair=pair1")[1].notes
 
 
+@pytest.mark.slow   # composes and plans a verl multirun's jobs
 def test_verl_multirun_on_this_machine_does_not_share_gpus(compose_cfg):
     verl = [PlannedJob(i, [f"seed={i}"], compose_cfg("backend=verl", "pair=pair1", f"seed={i}")) for i in range(2)]
     tiny = [PlannedJob(i, [f"seed={i}"], compose_cfg(f"seed={i}")) for i in range(2)]
@@ -121,6 +122,7 @@ def test_private_ray_without_the_placement_groups_cpus_is_refused(tmp_path):
     assert not (tmp_path / "ray_auth_token").exists()   # refused before anything was started or written
 
 
+@pytest.mark.slow   # python -m graft_exp.plan launches
 def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert plan_main(["--json", "backend=verl", "pair=pair1"]) == 0

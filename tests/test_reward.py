@@ -61,12 +61,14 @@ def test_case_in_main_thread_and_in_a_thread(case):
         assert executor.submit(in_process, case["response"], gold(case)).result() == case["reward"]
 
 
+@pytest.mark.slow   # starts the verifier worker processes
 def test_cases_through_the_worker_pool(pool):
     scores = rewards([c["response"] for c in CASES], [gold(c) for c in CASES], pool=pool)
     assert {c["case"]: s for c, s in zip(CASES, scores)} == {c["case"]: float(c["reward"]) for c in CASES}
     assert pool.timeouts == 0
 
 
+@pytest.mark.slow   # starts the verifier worker processes
 def test_shared_pool_from_concurrent_threads():
     """verl scores rollouts and validations in threads: they share the process's pool."""
     responses, golds = [c["response"] for c in CASES], [gold(c) for c in CASES]
@@ -78,6 +80,7 @@ def test_shared_pool_from_concurrent_threads():
     assert [reward(r, g) for r, g in zip(responses[:5], golds[:5])] == expected[:5]
 
 
+@pytest.mark.slow   # waits out the 5 s verification timeout
 @pytest.mark.timeout(120)
 def test_pathological_answer_times_out_and_the_pool_goes_on():
     pool = RewardPool(workers=2, timeout_s=3.0)
@@ -101,6 +104,7 @@ def test_pathological_answer_times_out_and_the_pool_goes_on():
         pool.close()
 
 
+@pytest.mark.slow   # starts the verifier worker processes
 def test_start_returns_at_once_and_close_stops_the_workers():
     pool = RewardPool(workers=2)
     start = time.monotonic()
@@ -147,6 +151,7 @@ def _score_in_child(queue, parent_pool):
     queue.put((refused, rewards(["\\boxed{\\dfrac{9}{7}}", "\\boxed{2}"], ["\\frac{9}{7}", "2\\sqrt{3}"])))
 
 
+@pytest.mark.slow   # a forked child starts its own worker processes
 def test_forked_child_gets_its_own_pool(pool):
     """A forked child (a data loader, a launcher) must not use its parent's worker pipes: the shared
     pool is remade there, and a pool made by the parent refuses to run."""

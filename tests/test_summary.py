@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from analysis.synthetic import JobSpec, ModelSpec, write_jobs
 from graft_exp.launching import summary
 
 
-def _store(tmp_path) -> str:
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
+@pytest.fixture
+def uri(tmp_path, new_store) -> str:
+    """A store holding one finished GRAFT job on pair1 with its two model runs."""
+    uri = new_store(tmp_path)
     graft = JobSpec("graft", "pair1", 0, metrics={"cost/gpu_hours": {1: 0.5, 2: 1.25}}, models=[
         ModelSpec("smollm3-3b-base", "A", peer="qwen3-1.7b-base", best_step=2,
                   test={"math500": [0.5, 0.7], "aime2024": [0.1, 0.2], "avg": [0.3, 0.45]},
@@ -26,8 +30,7 @@ def _store(tmp_path) -> str:
     return uri
 
 
-def test_a_jobs_table_has_each_models_mean_scores_step_and_cost(tmp_path, capsys):
-    uri = _store(tmp_path)
+def test_a_jobs_table_has_each_models_mean_scores_step_and_cost(uri, capsys):
     run = summary.tracking.find_run(summary.MlflowClient(uri), "main-graft-pair1-0")
     summary.print_job(uri, run.info.run_id, "pair1 / graft / seed 0")
     out = capsys.readouterr().out
@@ -39,8 +42,7 @@ def test_a_jobs_table_has_each_models_mean_scores_step_and_cost(tmp_path, capsys
     assert "job cost: 1.2 GPU-hours" in out
 
 
-def test_a_multiruns_table_lists_every_job_and_says_which_are_missing(tmp_path, capsys):
-    uri = _store(tmp_path)
+def test_a_multiruns_table_lists_every_job_and_says_which_are_missing(uri, capsys):
     summary.print_jobs(uri, [("#0 method=graft", "main-graft-pair1-0"), ("#1 method=sgt", "no-such-key")],
                        "multirun of 2 jobs: results")
     out = capsys.readouterr().out

@@ -38,6 +38,10 @@ def sweeps(composer):
     return {path.stem: plan(path, [], composer) for path in SWEEPS}
 
 
+#: A test that reads ``sweeps`` pays for planning every sweep file, each of its jobs composed: the slow tier.
+plans_every_sweep = pytest.mark.slow
+
+
 def methods(sweep, pair=None) -> set[str]:
     return {sj.job.cfg.method.name for sj in sweep.jobs if pair in (None, sj.job.cfg.pair.name)}
 
@@ -52,6 +56,7 @@ def test_expand_is_a_product_in_written_order():
         "pair=pair1", "seed=0", "method=grpo_n8")
 
 
+@pytest.mark.slow   # composes every job of every sweep file
 def test_one_file_per_table_with_its_study(sweeps, composer):
     assert set(sweeps) == {"main", "ablation", "alternatives", "delta", "stability", "stored",
                            "clip_dynamics", "compute", "tiny", "tiny_lr", "tiny3",
@@ -66,6 +71,7 @@ def test_one_file_per_table_with_its_study(sweeps, composer):
             validate(cfg)
 
 
+@plans_every_sweep
 def test_main_table_runs(sweeps):
     main = sweeps["main"]
     for pair in ("pair1", "pair2", "pair3"):
@@ -79,6 +85,7 @@ def test_main_table_runs(sweeps):
     assert len(main.shared) == 3      # pair3's GRPO jobs: both models trained by pair1/pair2 jobs
 
 
+@plans_every_sweep
 def test_shared_baseline_jobs_run_after_the_job_that_trains_the_model(sweeps):
     main = sweeps["main"]
     by_label = {sj.job.label: sj for sj in main.jobs}
@@ -87,6 +94,7 @@ def test_shared_baseline_jobs_run_after_the_job_that_trains_the_model(sweeps):
     assert [f.job.label for f in pair2.follows] == ["pair=pair1 method=grpo_n8 seed=0"]
 
 
+@plans_every_sweep
 def test_table_job_lists(sweeps):
     assert methods(sweeps["ablation"]) == {
         "graft", "graft_no_gate", "graft_no_floor", "graft_no_balance", "graft_seq_ratio",
@@ -107,6 +115,7 @@ def test_table_job_lists(sweeps):
         assert {sj.job.cfg.pair.name for sj in sweeps[name].jobs} == {"pair1"}
 
 
+@plans_every_sweep
 def test_group_study_jobs_and_their_launch_commands(sweeps, tmp_path):
     """sweeps/tiny3.yaml: per model GRPO n=8, GRAFT with each single peer, GRAFT with both peers per source
     rule. A group's multirun is launched with ``group=...`` (no pair config has the group's name)."""
@@ -122,6 +131,7 @@ def test_group_study_jobs_and_their_launch_commands(sweeps, tmp_path):
     assert len(group_jobs) == 20 and not any("group" in line or "pair" in line for line in settings)
 
 
+@plans_every_sweep
 def test_same_config_is_the_same_run_across_sweeps(sweeps):
     """Full GRAFT on pair 1 is one run for the main table, the ablations and the delta sweep
     (method.delta=0.8 is the default), so whichever sweep trains it, the others find it."""
@@ -133,6 +143,7 @@ def test_same_config_is_the_same_run_across_sweeps(sweeps):
     assert all(k == keys[0] and len(k) == 1 for k in keys)
 
 
+@plans_every_sweep
 def test_stored_runs_wait_for_the_grpo_runs_they_replay(sweeps):
     for name in ("stored", "compute"):
         for sj in sweeps[name].jobs:
@@ -144,6 +155,7 @@ def test_stored_runs_wait_for_the_grpo_runs_they_replay(sweeps):
             assert {(pair.A, "grpo_n8", sj.job.cfg.seed), (pair.B, "grpo_n8", sj.job.cfg.seed)} <= needed
 
 
+@plans_every_sweep
 def test_jobs_that_others_need_are_launched_first(sweeps):
     """The tiny study's GRPO n=8 runs train first, so each graft_stored job can take the first core
     that frees after its log exists instead of waiting for every other job to end."""
@@ -165,6 +177,7 @@ def test_a_multiruns_tail_frees_its_cores():
     assert busy_cores([Launch(proc=None, keys=["a", "c"], workers=2)], states) == 0
 
 
+@plans_every_sweep
 def test_an_exclusive_cluster_starts_one_multirun_at_a_time(sweeps):
     """Ready jobs of several pairs and a group on 2 idle cores: one multirun (the first pair or group's
     jobs, 2 workers), not one per pair each taking both cores; a tail takes as many jobs as idle cores."""
@@ -176,6 +189,7 @@ def test_an_exclusive_cluster_starts_one_multirun_at_a_time(sweeps):
     assert len(later) == 2 and len({sj.job.cfg.pair.name for sj in later}) == 1
 
 
+@plans_every_sweep
 def test_gpu_hours_estimate_from_the_paper(sweeps):
     compute = {sj.job.cfg.method.name: sj.gpu_hours for sj in sweeps["compute"].jobs}
     # App. D: GRPO n=8 both models 29.9, GRAFT 43.3 GPU-hours for three epochs on pair 1.
@@ -218,6 +232,7 @@ def run_cli(*args, cwd) -> str:
     return done.stdout
 
 
+@pytest.mark.slow   # python -m graft_exp.sweep launches
 def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, store_template):
     shutil.copy(store_template, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -281,6 +296,7 @@ def launch(tmp_path, *overrides) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
 
 
+@pytest.mark.slow   # a python -m graft_exp -m launch
 def test_one_invalid_job_stops_the_whole_multirun(tmp_path, store_template):
     shutil.copy(store_template, tmp_path / "mlflow.db")
     done = launch(tmp_path, "cluster=submitit_local", "method=graft", "method.delta=0.5,1.5")
@@ -290,6 +306,7 @@ def test_one_invalid_job_stops_the_whole_multirun(tmp_path, store_template):
     assert not (tmp_path / "multirun" / ".submitit").exists()
 
 
+@pytest.mark.slow   # a python -m graft_exp -m launch
 def test_parallel_jobs_sharing_a_grpo_baseline_are_refused(tmp_path, store_template):
     shutil.copy(store_template, tmp_path / "mlflow.db")
     # Two pairs holding the same model (as pair1 and pair2 hold Qwen3), on the CPU test bed.

@@ -297,6 +297,7 @@ def test_stored_log_lookup_single_and_multirun(job_cfg, uri):
     assert tracking.open_job(stored) is not None
 
 
+@pytest.mark.slow   # a python -m graft_exp launch per case
 @pytest.mark.parametrize("args, message", [
     (["seed=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
     (["cluster=slurm", "seed=1"], "Submit it as a one-job sweep: python -m graft_exp -m cluster=slurm seed=1"),
@@ -370,6 +371,7 @@ def _log_inputs_together(uri, experiment_ids, cfg, barrier, results):
             results.put((run_id, f"{type(error).__name__}: {error}"))
 
 
+@pytest.mark.slow   # four spawned processes racing over five experiments
 def test_jobs_starting_together_log_the_same_datasets(cfg, uri):
     """Jobs of a multirun log the same dataset inputs at the same moment into a fresh experiment: MLflow
     finds-or-creates each dataset in two statements, and the loser of that race must not fail its job

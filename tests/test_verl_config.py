@@ -97,6 +97,7 @@ LOSS_KINDS = {"graft_seq_ratio": "sequence_ratio", "graft_luffy": "luffy", "sgt"
               "hacpo": "hacpo", "hacpo_which": "hacpo"}
 
 
+@pytest.mark.slow   # composes every pair x method into a verl config
 def test_every_pair_and_method_composes_with_verl(tmp_path):
     """All 3 x 22 jobs compose and validate with backend=verl; verl configs are built for every method
     (pair1) and for both roles of every pair (their models are what differs between pairs)."""

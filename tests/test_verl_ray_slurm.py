@@ -43,6 +43,7 @@ def test_wait_command_waits_for_every_node():
     assert cluster.wait_command(1)[6] == "1"
 
 
+@pytest.mark.slow   # a process that waits out its timeout
 def test_wait_for_a_head_that_never_answers_fails_saying_so():
     done = subprocess.run([sys.executable, "-m", "graft_exp.backends.verl.ray_slurm", "--wait-for", "127.0.0.1:9",
                            "--nodes", "1", "--timeout", "2"], capture_output=True, text=True, timeout=120,
@@ -230,6 +231,7 @@ def test_a_jobs_ray_admits_only_its_own_token(tmp_path):
     assert not (tmp_path / "empty-home" / ".ray").exists()
 
 
+@pytest.mark.slow   # three ray_slurm launches, each composing and planning
 def test_submission_checks_the_jobs_plan():
     """``--submit`` or not, the multi-node script is written only for a job whose plan fits: the CPUs per node
     must hold verl's placement groups (3 per GPU) and the agent-loop workers; the plan's own refusals (here a
@@ -248,6 +250,7 @@ def test_submission_checks_the_jobs_plan():
     assert done.returncode == 0 and "#SBATCH --cpus-per-task=32" in done.stdout
 
 
+@pytest.mark.slow   # starts a Ray
 def test_shared_paths_are_seen_by_every_node(tmp_path):
     """``check_shared_paths`` (a several-node job, before its pools start): a marker written by the driver
     is read back by a task on each node of the job's Ray, none is left behind; a model directory a node does

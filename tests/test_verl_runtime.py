@@ -414,6 +414,7 @@ def test_weights_reach_vllm_only_after_they_changed(tmp_path):
     assert generate() == ["update_weights", "sleep"]
 
 
+@pytest.mark.slow   # starts a Ray
 def test_backend_close_leaves_ray_for_the_next_job(tmp_path, compose_cfg):
     """The end of a job shuts its Ray down: the next job of the same process (a multirun on cluster=local runs
     them one after another in this process) starts a Ray of its own instead of joining this one, with its

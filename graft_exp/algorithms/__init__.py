@@ -2,8 +2,8 @@
 losses and minibatch ordering. No I/O and no model code; every function validates its inputs cheaply
 and raises ``ValueError`` on bad ones.
 
-Registries let a trainer pick an alternative by name: ``EXCHANGE_RULES`` (which prompts exchange),
-``PEER_WEIGHTINGS`` (peer weight rule), ``POLICY_LOSSES`` (loss) and ``MINIBATCH_ORDERINGS``.
+``POLICY_LOSSES`` names the clipped policy losses (``objective.OBJECTIVES`` picks one by name); every other
+rule is named once, where a method's config picks it (``graft_exp.methods``).
 """
 
 from .advantages import grpo_advantages, pooled_group_advantages
@@ -33,14 +33,12 @@ from .losses import (
     sgt_nll_loss,
 )
 from .ordering import (
-    MINIBATCH_ORDERINGS,
     pack_minibatches,
     peer_first_minibatches,
     peer_last_minibatches,
     uniform_minibatches,
 )
 from .selection import (
-    EXCHANGE_RULES,
     balanced_exchange,
     complementary_candidates,
     count_matched_random_exchange,
@@ -51,10 +49,8 @@ from .selection import (
     resolve_sources,
     select_with_ties,
     sgt_rescue_prompts,
-    unbalanced_exchange,
 )
 from .weights import (
-    PEER_WEIGHTINGS,
     compatibility_score,
     compatibility_weight,
     random_admission_weights,
@@ -64,15 +60,12 @@ from .weights import (
 )
 
 __all__ = [
-    "EXCHANGE_RULES",
     "HACPO_CROSS_CLIP_DELTA",
     "HACPO_CROSS_CLIP_STEP",
     "HACPO_KL_COEF",
     "HACPO_MINIBATCH_PROMPTS",
     "HACPO_SELF_CLIP_HIGH",
     "HACPO_SELF_CLIP_LOW",
-    "MINIBATCH_ORDERINGS",
-    "PEER_WEIGHTINGS",
     "POLICY_LOSSES",
     "balanced_exchange",
     "compatibility_score",
@@ -108,7 +101,6 @@ __all__ = [
     "sgt_nll_loss",
     "sgt_rescue_prompts",
     "success_only_weights",
-    "unbalanced_exchange",
     "ungated_weight",
     "uniform_minibatches",
 ]

@@ -23,8 +23,6 @@ processing order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._checks import check_ndim
@@ -78,10 +76,3 @@ def uniform_minibatches(
     order = torch.randperm(len(minibatches), generator=generator, device=generator.device).tolist()
     return [minibatches[i] for i in order]
 
-
-#: Minibatch orderings by name, each ``(is_peer_group, groups_per_minibatch, generator) -> list[index]``.
-MINIBATCH_ORDERINGS: dict[str, Callable[..., list[torch.Tensor]]] = {
-    "last": peer_last_minibatches,
-    "first": peer_first_minibatches,
-    "uniform": uniform_minibatches,
-}

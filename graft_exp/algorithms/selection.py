@@ -7,8 +7,6 @@ A direction mask ``a_to_b[q]`` means that on prompt q the receiver B trains on A
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._checks import check_binary, check_finite, check_group_size, check_ndim, check_success_counts
@@ -74,20 +72,6 @@ def sgt_rescue_prompts(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[to
     _check_pair(k_a, k_b, n)
     return (k_b == 0) & (k_a >= 1), (k_a == 0) & (k_b >= 1)
 
-
-def unbalanced_exchange(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. (3) candidates in both directions without balancing (``graft_stored``: one direction only)."""
-    return balanced_exchange(k_a, k_b, n, balance=False)
-
-
-#: Exchange rules by the names of ``method.selection``, each ``(k_a, k_b, n) -> (a_to_b, b_to_a)``.
-#: ``balanced`` is GRAFT (also ``sgt_which`` and ``hacpo_which``), ``complementary`` is eq. (3) without
-#: balancing (``graft_stored``), ``rescue`` is SGT's rule (``sgt`` and, per App. G, ``graft_no_balance``).
-EXCHANGE_RULES: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] = {
-    "balanced": balanced_exchange,
-    "complementary": unbalanced_exchange,
-    "rescue": sgt_rescue_prompts,
-}
 
 
 def random_prompts_like(selected: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

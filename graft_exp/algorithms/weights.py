@@ -4,8 +4,6 @@ the loss (numerator and token-mean denominator)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._checks import (
@@ -78,13 +76,6 @@ def ungated_weight(score: torch.Tensor, delta: float = 0.8) -> torch.Tensor:
     weighting). ``delta`` is accepted, and ignored, so that weight rules share one signature."""
     _check_scores(score)
     return torch.ones_like(score)
-
-
-#: Peer weight rules by name, each ``(score, delta) -> weights`` of the score's shape.
-PEER_WEIGHTINGS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    "gated": compatibility_weight,
-    "ungated": ungated_weight,
-}
 
 
 def random_admission_weights(score: torch.Tensor, delta: float, generator: torch.Generator) -> torch.Tensor:
