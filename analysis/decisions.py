@@ -42,11 +42,11 @@ def _experiments(client: MlflowClient, names: list[str] | None) -> list[str]:
 
 def decision_records(client: MlflowClient, experiment_ids: list[str]) -> list:
     """The newest until-decided run of each sweep file (a rerun of the same sweep replaces the older)."""
-    runs = client.search_runs(experiment_ids, f"tags.`graft.analysis` = '{UNTIL_DECIDED}'",
+    runs = client.search_runs(experiment_ids, f"tags.`{schema.ANALYSIS}` = '{UNTIL_DECIDED}'",
                               order_by=["attributes.start_time DESC"])
     newest = {}
     for run in runs:
-        newest.setdefault(run.data.tags.get("graft.sweep"), run)
+        newest.setdefault(run.data.tags.get(schema.SWEEP), run)
     return list(newest.values())
 
 
@@ -92,7 +92,7 @@ def verdicts(client: MlflowClient, run, folder: Path) -> pd.DataFrame:
         x = np.array([by_seed[method][s] for s in seeds])
         y = np.array([by_seed[reference][s] for s in seeds])
         lo, hi = decided["intervals"][label]
-        rows.append({"sweep": run.data.tags.get("graft.sweep"), "comparison": label,
+        rows.append({"sweep": run.data.tags.get(schema.SWEEP), "comparison": label,
                      "verdict": verdict if verdict != "continue" else "undecided (stopped before the cap)",
                      "seeds": len(seeds), "seed list": " ".join(map(str, seeds)),
                      "round": decided["index"], "mean diff": float(np.mean(x - y)),

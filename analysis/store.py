@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from rich.progress import Progress
 
 from analysis import catalog
+from graft_exp import schema
 from graft_exp.schema import ENV_TAGS
 from graft_exp.tracking import TrackingError, check_store
 
@@ -31,7 +32,7 @@ TAGS = ("method", "pair", "seed", "model", "peer", "role", "n", "best_step", "ru
 _BULK_CHUNK = 500  # run ids per bulk query, far below SQLite's bound-parameter limit
 _HISTORY_COLUMNS = ["run_id", "key", "step", "value", "timestamp"]
 #: Tag of the runs ``python -m analysis ... --log-to-mlflow`` creates; they are outputs, not job or model runs.
-ANALYSIS_TAG = "graft.analysis"
+ANALYSIS_TAG = schema.ANALYSIS
 
 
 class StoreUnavailable(RuntimeError):

@@ -90,8 +90,15 @@ def peer_solved_metric(peer: str) -> str:
     return f"{TRAIN}peer_solved_frac/{peer}"
 
 
-#: Tag of the analysis run that holds regenerated tables and figures (not a training run).
-ANALYSIS_TAGS = {"graft.analysis": "on the analysis run `python -m analysis ... --log-to-mlflow` creates"}
+#: Tags of runs that are not training runs (the analysis skips them as such): the analysis run that holds
+#: regenerated tables and figures, and a seeds-until-decided sweep's own run (its rounds and decisions).
+ANALYSIS_TAGS = {
+    "graft.analysis": "on the analysis run `python -m analysis ... --log-to-mlflow` creates; "
+                      "'until-decided' on the run of `python -m graft_exp.sweep SWEEP --until-decided`",
+    "graft.sweep": "on an until-decided run, at creation: the sweep file",
+    "graft.decision.<method>_vs_<reference>": "on an until-decided run, after every round: the comparison's state",
+}
+ANALYSIS, SWEEP, DECISION_PREFIX = "graft.analysis", "graft.sweep", "graft.decision."
 
 _BENCH = re.compile(r"^(val|test)/[a-z0-9_]+$")
 
@@ -104,4 +111,5 @@ def known_metric(key: str, run: str) -> bool:
 
 def known_tag(key: str) -> bool:
     """Whether ``key`` is a ``graft.*`` tag of the schema (MLflow's own ``mlflow.*`` tags are not ours)."""
-    return key in JOB_TAGS or key in MODEL_TAGS or key in ANALYSIS_TAGS
+    return (key in JOB_TAGS or key in MODEL_TAGS or key in ANALYSIS_TAGS
+            or (key.startswith(DECISION_PREFIX) and "_vs_" in key[len(DECISION_PREFIX):]))

@@ -25,8 +25,6 @@ from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import Sweep, plan
 from graft_exp.sweep.state import console
 
-SWEEP_TAG, DECISION_PREFIX = "graft.sweep", "graft.decision."
-
 
 def file_seeds(spec: dict) -> list[int]:
     """Every seed the file's grids list, in order."""
@@ -69,7 +67,7 @@ def open_record(sweep: Sweep, s: Settings) -> tuple[MlflowClient, str]:
     experiment_id = tracking.ensure_store(sweep.uri, f"graft/{sweep.study}")
     client = MlflowClient(sweep.uri)
     run = client.create_run(experiment_id, run_name=f"until-decided-{sweep.path.stem}", tags={
-        "graft.analysis": "until-decided", SWEEP_TAG: str(sweep.path), schema.STUDY: sweep.study,
+        schema.ANALYSIS: "until-decided", schema.SWEEP: str(sweep.path), schema.STUDY: sweep.study,
         tracking.DESCRIPTION_TAG: f"seeds until decided for {sweep.path}: {RULE}"})
     params = {"rule": RULE, "alpha": s.alpha, "margin_points": s.margin, "seeds_per_round": s.per_round,
               "max_seeds": s.max_seeds, "rounds": s.rounds, "permutations": s.permutations,
@@ -117,7 +115,7 @@ def until_decided(path: Path, spec: dict, s: Settings, overrides: list[str], run
             console.print(f"  + seeds {record.next_seeds} for {method}: {'; '.join(why)} undecided")
         seeds, methods = record.next_seeds, set(record.next_reason)
     for pair in s.comparisons:
-        client.set_tag(run_id, DECISION_PREFIX + f"{pair[0]}_vs_{pair[1]}", decider.decision(pair))
+        client.set_tag(run_id, schema.DECISION_PREFIX + f"{pair[0]}_vs_{pair[1]}", decider.decision(pair))
     client.set_terminated(run_id, "FINISHED")
     console.print(f"[green]decided[/] after {len(decider.rounds)} round(s); MLflow run {run_id}")
     return 0
