@@ -68,8 +68,8 @@ def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, flo
     points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
     poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
                                                    reps=BOOTSTRAP_REPS)
-    return {"P(improve)": float(poi_point["p"]), "P(improve) lo": float(poi_ci["p"][0]),
-            "P(improve) hi": float(poi_ci["p"][1]),
+    (poi,), (poi_lo, poi_hi) = np.ravel(poi_point["p"]), np.ravel(poi_ci["p"])   # one task: shapes (1,), (2, 1)
+    return {"P(improve)": float(poi), "P(improve) lo": float(poi_lo), "P(improve) hi": float(poi_hi),
             "IQM method": float(points["m"][0]), "IQM method lo": float(cis["m"][0, 0]),
             "IQM method hi": float(cis["m"][1, 0]),
             "IQM ref": float(points["r"][0]), "IQM ref lo": float(cis["r"][0, 0]), "IQM ref hi": float(cis["r"][1, 0])}

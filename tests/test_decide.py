@@ -132,3 +132,17 @@ def test_rounds_plan_only_undecided_methods_and_mlflow_records_them(tmp_path, mo
               for k in range(3) if client.download_artifacts(run.info.run_id, "rounds", str(tmp_path / "r"))]
     assert rounds[1]["next_reason"] == {"sgt": ["sgt vs grpo_n8"], "grpo_n8": ["sgt vs grpo_n8"]}
     assert rounds[2]["scores"]["sgt"] == pytest.approx([scores["sgt"][x] for x in range(12)])
+
+
+def test_rliable_measures_of_one_task():
+    """rliable's probability of improvement and IQMs of one task (the pair average), with intervals: a
+    method ahead on every seed improves with probability 1; the IQM of 8 seeds is the mean of the middle 4."""
+    from analysis.decisions import rliable_measures
+
+    reference = np.arange(8, dtype=float)
+    out = rliable_measures(reference + 10, reference)
+    assert out["P(improve)"] == out["P(improve) lo"] == out["P(improve) hi"] == 1.0
+    assert out["IQM ref"] == 3.5 and out["IQM method"] == 13.5
+    assert out["IQM ref lo"] <= 3.5 <= out["IQM ref hi"]
+    even = rliable_measures(reference, reference)
+    assert even["P(improve)"] == 0.5
