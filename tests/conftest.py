@@ -83,6 +83,16 @@ def own_home(tmp_path_factory):
         yield home
 
 
+@pytest.fixture
+def job_ray_auth(monkeypatch):
+    """A test that starts Ray the way a job does (``start_local_ray``: this process's ``RAY_AUTH_*`` point at
+    the job's new token, and Ray's cached settings are re-read) gets those variables undone afterwards, so a
+    later test never meets a token file of a finished test."""
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)   # undone after the test: the variable is absent again, as it was before
+
+
 # --- Slurm: the session's own cluster; a real one only when asked ------------------------------------
 # The service tests never submit to a Slurm they did not start: `sinfo` answering on a login node is the
 # site's cluster, not ours. They start a private cluster (tests/support/private_slurm.py) or, with

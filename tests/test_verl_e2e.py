@@ -26,6 +26,7 @@ import pytest
 import ray
 import torch
 from support.mlflow_records import histories, model_runs
+from support.verl_checks import CheckpointCheck, trainer_log_probs
 from support.verl_cpu import WORKER_ENV, cpu_replica_class
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
@@ -56,16 +57,11 @@ def assert_rollout_used_trainer_weights(model, out: DataProto, temperature: floa
     weights, or none, fails here."""
     mask = out.batch["response_mask"].bool()
     assert mask.any()
-    saved = float(model.config.actor_rollout_ref.rollout.temperature)
-    model.config.actor_rollout_ref.rollout.temperature = temperature
-    try:
-        trainer = model.log_probs(out)
-    finally:
-        model.config.actor_rollout_ref.rollout.temperature = saved
+    trainer = trainer_log_probs(model, out, temperature)
     torch.testing.assert_close(out.batch["rollout_log_probs"][mask], trainer[mask], atol=1e-4, rtol=0)
 
 
-class CheckedBackend(VerlBackend):
+class CheckedBackend(CheckpointCheck, VerlBackend):
     """The verl backend with the test's checks on its real calls: each rollout against the trainer's weights,
     each checkpoint's scores, each load's scores against the checkpoint's."""
 
@@ -85,18 +81,8 @@ class CheckedBackend(VerlBackend):
             self.last_rollouts[role] = out
         return out, texts, finished
 
-    def save(self, directory: Path, step: int) -> None:
-        super().save(directory, step)
-        for role, model in self.models.items():
-            rows = self.last_rollouts[role]
-            CheckedBackend.saved[(role, step)] = (rows, model.log_probs(rows))
-
-    def load(self, directory: Path) -> None:
-        super().load(directory)
-        for role, model in self.models.items():
-            rows, expected = CheckedBackend.saved[(role, self.step)]
-            assert torch.equal(model.log_probs(rows), expected)    # exactly the saved model
-            CheckedBackend.checked["loads"] += 1
+    def loaded(self, role: str) -> None:
+        CheckedBackend.checked["loads"] += 1
 
     def close(self) -> None:
         """The module's jobs share one Ray and one start of the worker groups (``EngineFactory``): the

@@ -251,16 +251,16 @@ def test_submission_checks_the_jobs_plan():
 
 
 @pytest.mark.slow   # starts a Ray
-def test_shared_paths_are_seen_by_every_node(tmp_path):
+def test_shared_paths_are_seen_by_every_node(tmp_path, job_ray_auth):
     """``check_shared_paths`` (a several-node job, before its pools start): a marker written by the driver
     is read back by a task on each node of the job's Ray, none is left behind; a model directory a node does
     not have is named in the one-line refusal."""
     import ray
 
-    from graft_exp.backends.verl.ray_slurm import check_shared_paths
+    from graft_exp.backends.verl.ray_slurm import check_shared_paths, start_local_ray
 
     (tmp_path / "models" / "qwen").mkdir(parents=True)
-    ray.init(num_cpus=1, include_dashboard=False)
+    start_local_ray(0, job_dir=tmp_path, num_cpus=1)   # as a job starts its Ray (its own token)
     try:
         check_shared_paths({"checkpoint_root": str(tmp_path / "run")}, {"model of B": str(tmp_path / "models" / "qwen")})
         with pytest.raises(RuntimeError, match=r"does not see model of A \(.*/smol\): .*one shared filesystem"):

@@ -34,6 +34,7 @@ from graft_exp.backends.verl.config import (
     verl_config,
 )
 from graft_exp.backends.verl.loss import actor_loss
+from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, offset_replica_class, scoped_job_id, scoped_zmq_handle
 from graft_exp.exchange import SELF, ReceiverBatch, Row
 from graft_exp.objective import LossSpec
@@ -415,14 +416,14 @@ def test_weights_reach_vllm_only_after_they_changed(tmp_path):
 
 
 @pytest.mark.slow   # starts a Ray
-def test_backend_close_leaves_ray_for_the_next_job(tmp_path, compose_cfg):
+def test_backend_close_leaves_ray_for_the_next_job(tmp_path, compose_cfg, job_ray_auth):
     """The end of a job shuts its Ray down: the next job of the same process (a multirun on cluster=local runs
     them one after another in this process) starts a Ray of its own instead of joining this one, with its
     placement groups."""
     from graft_exp.backends.verl.backend import VerlBackend
 
     backend = VerlBackend(compose_cfg("backend=verl", "pair=pair1"), ["A", "B"], tmp_path)
-    ray.init(num_cpus=1, include_dashboard=False)
+    start_local_ray(0, job_dir=tmp_path, num_cpus=1)   # as a job starts its Ray (its own token)
     try:
         backend.close()
         assert not ray.is_initialized()

@@ -34,6 +34,7 @@ import ray
 import torch
 from support import verl_cpu
 from support.mlflow_records import histories, model_runs
+from support.verl_checks import CheckpointCheck, trainer_log_probs
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
 from verl import DataProto
@@ -70,7 +71,7 @@ OVERRIDES = [*SMALL, "backend.gpus_per_model=1", "pair.gpus=2",
 ATOL = 1e-4
 
 
-class CheckedBackend(VerlBackend):
+class CheckedBackend(CheckpointCheck, VerlBackend):
     """The verl backend with the test's checks on its real calls: each rollout against the trainer's weights,
     each update's peer rows, each load's scores against the checkpoint's."""
 
@@ -116,18 +117,8 @@ class CheckedBackend(VerlBackend):
                 "peer_rows": peer, "source": source})
         return result
 
-    def save(self, directory: Path, step: int) -> None:
-        super().save(directory, step)
-        for role, model in self.models.items():
-            rows = self.last_rollouts[role]
-            CheckedBackend.saved[(role, step)] = (rows, model.log_probs(rows))
-
-    def load(self, directory: Path) -> None:
-        super().load(directory)
-        for role, model in self.models.items():
-            rows, expected = CheckedBackend.saved[(role, self.step)]
-            assert torch.equal(model.log_probs(rows), expected)    # exactly the saved model
-            CheckedBackend.log["loads"].append(role)
+    def loaded(self, role: str) -> None:
+        CheckedBackend.log["loads"].append(role)
 
     def close(self) -> None:
         """The module's jobs share one Ray and one start of the workers and engines (``engines``); the fixture
@@ -139,12 +130,7 @@ def rollout_minus_trainer(model, out: DataProto, temperature: float) -> torch.Te
     tokens at the same temperature, on the response tokens."""
     mask = out.batch["response_mask"].bool()
     assert mask.any()
-    saved = float(model.config.actor_rollout_ref.rollout.temperature)
-    model.config.actor_rollout_ref.rollout.temperature = temperature
-    try:
-        trainer = model.log_probs(out)
-    finally:
-        model.config.actor_rollout_ref.rollout.temperature = saved
+    trainer = trainer_log_probs(model, out, temperature)
     return (out.batch["rollout_log_probs"] - trainer)[mask]
 
 

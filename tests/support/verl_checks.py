@@ -1,0 +1,46 @@
+"""Checks the verl end-to-end tiers make on the backend's real calls: tests/test_verl_e2e.py (the vLLM
+stand-in) and tests/test_verl_vllm.py (vLLM's engine) subclass the verl backend with them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from verl import DataProto
+
+
+def trainer_log_probs(model, out: DataProto, temperature: float) -> torch.Tensor:
+    """The trainer's per-token log-probs of ``out``'s tokens at the temperature the rollout sampled with
+    (validation's differs from training's; the worker reads it from the rollout config)."""
+    config = model.config.actor_rollout_ref.rollout
+    saved = float(config.temperature)
+    config.temperature = temperature
+    try:
+        return model.log_probs(out)
+    finally:
+        config.temperature = saved
+
+
+class CheckpointCheck:
+    """Mixin of a ``VerlBackend``: every save records each model's log-probs of its last training rollout
+    (``self.last_rollouts``), and every load asserts the loaded workers give exactly those, then calls
+    ``loaded(role)``. A subclass keeps its own ``saved`` table: (role, step) -> (rows, log-probs)."""
+
+    saved: ClassVar[dict[tuple[str, int], tuple[DataProto, torch.Tensor]]]
+
+    def save(self, directory: Path, step: int) -> None:
+        super().save(directory, step)
+        for role, model in self.models.items():
+            rows = self.last_rollouts[role]
+            self.saved[(role, step)] = (rows, model.log_probs(rows))
+
+    def load(self, directory: Path) -> None:
+        super().load(directory)
+        for role, model in self.models.items():
+            rows, expected = self.saved[(role, self.step)]
+            assert torch.equal(model.log_probs(rows), expected)    # exactly the saved model
+            self.loaded(role)
+
+    def loaded(self, role: str) -> None:
+        """Told after each model's load was checked."""
