@@ -26,7 +26,7 @@ import pytest
 import ray
 import torch
 from support.mlflow_records import histories, model_runs
-from support.verl_checks import CheckpointCheck, trainer_log_probs
+from support.verl_checks import CheckpointCheck, attach_started, trainer_log_probs
 from support.verl_cpu import WORKER_ENV, cpu_replica_class
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
@@ -112,12 +112,7 @@ class EngineFactory:
             start_models(list(backend.models.values()), with_ref=True)
             self.live = backend.models
         else:
-            for role, model in backend.models.items():
-                live = self.live[role]
-                model.attach(live.wg, live.tokenizer)
-                model.stop_ids = live.stop_ids
-                model.servers, model.agent_loop, model.checkpoints = live.servers, live.agent_loop, live.checkpoints
-                model.replicas = live.replicas
+            attach_started(backend.models, self.live)
         self.backends.append(backend)
         return backend
 

@@ -34,7 +34,7 @@ import ray
 import torch
 from support import verl_cpu
 from support.mlflow_records import histories, model_runs
-from support.verl_checks import CheckpointCheck, trainer_log_probs
+from support.verl_checks import CheckpointCheck, attach_started, trainer_log_probs
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
 from verl import DataProto
@@ -159,12 +159,7 @@ class Engines:
             for role, model in self.live.items():
                 model.save(str(self.initial / role), 0)
         else:
-            for role, model in backend.models.items():
-                live = self.live[role]
-                model.attach(live.wg, live.tokenizer)
-                model.stop_ids = live.stop_ids
-                model.servers, model.agent_loop, model.checkpoints = live.servers, live.agent_loop, live.checkpoints
-                model.replicas = live.replicas
+            attach_started(backend.models, self.live)
         self.backends.append(backend)
         return backend
 

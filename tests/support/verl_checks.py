@@ -44,3 +44,14 @@ class CheckpointCheck:
 
     def loaded(self, role: str) -> None:
         """Told after each model's load was checked."""
+
+
+def attach_started(models: dict, started: dict) -> None:
+    """A later job of a module reuses the worker groups, vLLM servers, agent loop and checkpoint engine the
+    module's first job started (``started``: that job's models by role): starting them takes minutes."""
+    for role, model in models.items():
+        live = started[role]
+        model.attach(live.wg, live.tokenizer)
+        model.stop_ids = live.stop_ids
+        model.servers, model.agent_loop, model.checkpoints = live.servers, live.agent_loop, live.checkpoints
+        model.replicas = live.replicas
