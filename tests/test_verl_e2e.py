@@ -26,7 +26,7 @@ import pytest
 import ray
 import torch
 from support.mlflow_records import histories, model_runs
-from support.verl_checks import CheckpointCheck, attach_started, trainer_log_probs
+from support.verl_checks import CheckpointCheck, attach_started, train_past_checkpoint, trainer_log_probs
 from support.verl_cpu import WORKER_ENV, cpu_replica_class
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
@@ -161,12 +161,7 @@ def test_graft_through_the_driver_on_the_real_engine(compose_cfg, prepared, stor
         files = {p.name for p in (run_dir / "ckpt-1" / role / "global_step_1").iterdir()}
         assert {f"model_world_size_2_rank_{r}.pt" for r in (0, 1)} <= files   # verl's sharded FSDP1 files
     # trained on past the checkpoint: the resume must bring the saved weights back
-    for role, model in factory.live.items():
-        rows, saved = CheckedBackend.saved[(role, 1)]
-        rows.batch["old_log_probs"] = saved
-        n = int(model.config.actor_rollout_ref.rollout.n)
-        grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
-        assert not torch.equal(model.log_probs(rows), saved)
+    train_past_checkpoint(factory.live, CheckedBackend.saved, 1, grpo_update)
 
     cfg, resumed = make_job()
     assert resumed.resumed and resumed.run_id == job.run_id

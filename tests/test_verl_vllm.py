@@ -34,7 +34,7 @@ import ray
 import torch
 from support import verl_cpu
 from support.mlflow_records import histories, model_runs
-from support.verl_checks import CheckpointCheck, attach_started, trainer_log_probs
+from support.verl_checks import CheckpointCheck, attach_started, train_past_checkpoint, trainer_log_probs
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
 from test_verl_runtime import grpo_update
 from verl import DataProto
@@ -303,12 +303,7 @@ def run_interrupted(make_job, engines: Engines) -> tuple:
     cfg, job = make_job()
     assert driver.fit(cfg, job, engines, stop_at_step=1) == {}
     job.finish("KILLED")
-    for role, model in engines.live.items():
-        rows, saved = CheckedBackend.saved[(role, 1)]
-        rows.batch["old_log_probs"] = saved
-        n = int(model.config.actor_rollout_ref.rollout.n)
-        grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
-        assert not torch.equal(model.log_probs(rows), saved)
+    train_past_checkpoint(engines.live, CheckedBackend.saved, 1, grpo_update)
     cfg, resumed = make_job()
     assert resumed.resumed and resumed.run_id == job.run_id
     scores = driver.fit(cfg, resumed, engines)

@@ -55,3 +55,14 @@ def attach_started(models: dict, started: dict) -> None:
         model.stop_ids = live.stop_ids
         model.servers, model.agent_loop, model.checkpoints = live.servers, live.agent_loop, live.checkpoints
         model.replicas = live.replicas
+
+
+def train_past_checkpoint(started: dict, saved: dict, step: int, grpo_update) -> None:
+    """One GRPO update of each started model on its rows saved at ``step``, checked to move its log-probs: a
+    resume from that checkpoint must then bring the saved weights back (``CheckpointCheck.load``)."""
+    for role, model in started.items():
+        rows, log_probs = saved[(role, step)]
+        rows.batch["old_log_probs"] = log_probs
+        n = int(model.config.actor_rollout_ref.rollout.n)
+        grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
+        assert not torch.equal(model.log_probs(rows), log_probs)
