@@ -82,6 +82,7 @@ class MethodConfig:
     luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
     source_rule: str = "most_successes"   # a group of K > 2: which of several qualifying sources a receiver takes
     hacpo: HacpoConfig = field(default_factory=HacpoConfig)
+    params: dict[str, Any] = field(default_factory=dict)   # settings of rules registered with params=(...)
 
 
 @dataclass
@@ -361,7 +362,6 @@ def validate_method(cfg: DictConfig) -> None:
     try:
         methods.declaration(method.name)
         spec = methods.resolve(method)
-        methods.SOURCE_RULES.get(method.source_rule)
     except methods.UnknownName as err:
         raise ConfigError(str(err)) from err
     exchanges = spec.selection.transfers or spec.peer_loss.transfers

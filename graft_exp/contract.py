@@ -1,7 +1,14 @@
 """The backend contract: what the driver (``graft_exp.driver``) needs from a backend, and what it hands back.
 
 A backend does only what depends on the hardware: generate, score, update with the method's loss
-(``graft_exp.objective``), evaluate, save and load. ``backends/local.py`` and ``backends/verl/``
+(``graft_exp.objective``), evaluate, save and load. It is built for one job with the job's resolved method
+(``methods.Method``: its loss spec is ``method.loss``).
+
+The order of one training step, for every model (the driver keeps it; a backend may rely on it):
+``sample`` (or several, then ``gather``), ``scorer``, every call of that scorer (the exchange's), then
+``update``. ``update`` may read what this step's scorer computed (the local backend reuses the per-token
+log-probs of the re-tokenized peer responses instead of recomputing them); a scorer from an earlier step
+is never called again. ``backends/local.py`` and ``backends/verl/``
 implement ``Backend``; ``graft_exp.backends.backend_factory`` picks one by ``cfg.backend.name``. This
 module imports no backend and no driver, so both sides depend on it and not on each other.
 """
@@ -18,7 +25,7 @@ from omegaconf import DictConfig
 
 from graft_exp.evaluation import Generate
 from graft_exp.exchange import ReceiverBatch, Scorer
-from graft_exp.objective import LossSpec
+from graft_exp.methods import Method
 from graft_exp.rollouts import Rollouts
 
 
@@ -67,12 +74,14 @@ class Backend(Protocol):
         """The backend data of the chosen groups of several draws, in order (DAPO refills)."""
 
     def scorer(self, role: str, own: Sampled) -> Scorer:
-        """Receiver-old log-probs of re-tokenized peer responses (eq. 8), cached for ``update``."""
+        """Receiver-old log-probs of re-tokenized peer responses (eq. 8) for this step; what it computes may
+        serve this step's ``update`` (the step order above)."""
 
-    def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
+    def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
-        """One optimizer step per minibatch, in order, with ``spec``'s loss: the mean minibatch ``loss`` and
-        the summed counts of ``graft_exp.objective`` (``tokens_self``, ``clipped_tokens_peer``, ``seqs_*``, ...)."""
+        """One optimizer step per minibatch, in order, with the method's loss (``method.loss``): the mean
+        minibatch ``loss`` and the summed counts of ``graft_exp.objective`` (``tokens_self``,
+        ``clipped_tokens_peer``, ``seqs_*``, ...). Called after this step's ``scorer`` and its calls."""
 
     def generate(self, role: str, step: int) -> Generate:
         """``graft_exp.evaluation``'s generate function for model ``role`` at its current weights."""
@@ -93,6 +102,7 @@ class Backend(Protocol):
         """Release the job's devices and processes (the driver calls it when the job ends, however it ends)."""
 
 
-#: ``factory(cfg, roles, run_dir) -> Backend``: the models of ``roles`` loaded; ``run_dir`` is the job's
-#: directory (``driver.run_directory``), where a backend may keep files beside the driver's checkpoints.
-BackendFactory = Callable[[DictConfig, list[str], Path], Backend]
+#: ``factory(cfg, method, roles, run_dir) -> Backend``: the models of ``roles`` loaded for the job's resolved
+#: ``method``; ``run_dir`` is the job's directory (``driver.run_directory``), where a backend may keep files
+#: beside the driver's checkpoints.
+BackendFactory = Callable[[DictConfig, Method, list[str], Path], Backend]

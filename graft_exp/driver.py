@@ -5,8 +5,8 @@ steps, validation every ``eval.val_every`` steps, checkpoints (in ``run_director
 checkpoint, the final evaluation, GPU-hours and the MLflow lifecycle of the job and its model runs.
 A backend (``graft_exp.contract.Backend``, implemented by ``backends/local.py`` and ``backends/verl/``)
 only does what depends on the hardware: generate, score, update with the method's loss
-(``graft_exp.objective``), save and load. The method's components (``graft_exp.methods``) route the
-step here and in ``graft_exp.exchange``.
+(``graft_exp.objective``), save and load. The method is resolved once (``methods.resolve``): the driver,
+the exchange (``graft_exp.exchange.plan_step`` routes every method's step) and the backend receive it.
 """
 
 from __future__ import annotations
@@ -40,15 +40,7 @@ from graft_exp.config import peers, roles, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
-from graft_exp.exchange import (
-    ReceiverBatch,
-    Scorer,
-    assemble,
-    peer_solved_frac,
-    plan_exchange,
-    rollout_metrics,
-    select_prompts,
-)
+from graft_exp.exchange import ReceiverBatch, Scorer, peer_solved_frac, plan_step, rollout_metrics
 from graft_exp.objective import LossSpec
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
@@ -136,15 +128,14 @@ class Driver:
     """One job (pair x method x seed) on one backend."""
 
     def __init__(self, cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFactory):
-        self.cfg, self.job, self.method = cfg, job, cfg.method
-        self.components = methods.resolve(cfg.method)     # what the method's selection, admission, loss answer
-        self.spec = LossSpec.from_method(cfg.method)
+        self.cfg, self.job = cfg, job
+        self.method = methods.resolve(cfg.method)   # config, components and loss, built once for the job
         self.root = run_directory(cfg)
         if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
             shutil.rmtree(self.root, ignore_errors=True)
         members = roles(cfg.pair)
         stored = {}
-        if self.components.replays_stored_log:   # a pair: each role replays its one peer's log
+        if self.method.replays_stored_log:   # a pair: each role replays its one peer's log
             stored = {role: download_stored_log(cfg, job.client, cfg.pair[peer], self.root / "stored" / cfg.pair[peer])
                       for role in members for peer in peers(cfg.pair, role)}
         reward.default_pool().start()   # the verification workers start while the models load
@@ -154,14 +145,14 @@ class Driver:
         needed = [r for r in members if runs[r] is not None or (self.method.co_train and any(runs.values()))]
         self.members = {role: Member(role, str(cfg.pair[role]), runs[role], stored_peer=stored.get(role))
                         for role in needed}
-        self.backend: Backend = backend_factory(cfg, needed, self.root) if needed else None
+        self.backend: Backend = backend_factory(cfg, self.method, needed, self.root) if needed else None
         self.job_device_seconds = 0.0
         self.budget_hours = tracking.gpu_hours_budget(cfg, job.client)   # equal compute (None: steps alone)
         self.start_step = 1
         if self.backend is not None:
             problems = self.backend.problems()
             self.total_steps = total_steps(cfg, len(problems))
-            streams = list(needed) if self.method.dynamic_sampling else ["shared"]
+            streams = list(needed) if self.method.config.dynamic_sampling else ["shared"]
             self.streams = {name: PromptStream(problems, int(cfg.seed)) for name in streams}
             self.pool = ThreadPoolExecutor(max_workers=len(needed)) if self.backend.concurrent else None
 
@@ -174,15 +165,21 @@ class Driver:
         return {role: f.result() for role, f in futures.items()}
 
     # -------------------------------------------------------------------- rollouts
+    def scored(self, problems: list, responses: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Binary rewards [P, n] of each problem's responses (``reward.rewards``) and their GRPO advantages
+        (eq. 1): for a model's own rollouts and for a replayed log alike."""
+        n = len(responses[0])
+        golds = [p.answer for p in problems for _ in range(n)]
+        rewards = torch.tensor(reward.rewards([r for group in responses for r in group], golds)).view(-1, n)
+        return rewards, grpo_advantages(rewards, float(self.method.config.adv_eps))
+
     def rollout(self, role: str, problems: list, step: int, attempt: int = 0) -> Sampled:
         """n samples per prompt, rewards, GRPO advantages (eq. 1)."""
-        n = int(self.method.n)
+        n = int(self.method.config.n)
         out = self.backend.sample(role, problems, n, derive_seed(self.cfg.seed, step, role, "rollout", attempt), step)
-        golds = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor(reward.rewards([r for group in out.responses for r in group], golds)).view(-1, n)
+        rewards, advantages = self.scored(problems, out.responses)
         rollouts = Rollouts(model=self.members[role].key, prompt_ids=[p.uid for p in problems],
-                            responses=out.responses, rewards=rewards,
-                            advantages=grpo_advantages(rewards, float(self.method.adv_eps)),
+                            responses=out.responses, rewards=rewards, advantages=advantages,
                             logp_sum=out.logp_sum, num_tokens=out.num_tokens, finished=out.finished)
         return Sampled(rollouts, problems, out.data, out.token_ids)
 
@@ -223,10 +220,7 @@ class Driver:
         if source.prompt_ids != own.rollouts.prompt_ids:
             raise ValueError(f"step {step}: the stored log of {peer} has different prompts than this run "
                              "(different data order or batch size); replay needs the same seed and train settings")
-        golds = [p.answer for p in own.problems for _ in range(source.n)]
-        flat = [r for group in source.responses for r in group]
-        source.rewards = torch.tensor(reward.rewards(flat, golds)).view(-1, source.n)
-        source.advantages = grpo_advantages(source.rewards, float(self.method.adv_eps))
+        source.rewards, source.advantages = self.scored(own.problems, source.responses)
         return source
 
     def co_train_step(self, step: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
@@ -235,7 +229,7 @@ class Driver:
         started = time.perf_counter()
         # 1. Sample: n responses per prompt from each model on the same prompts (DAPO: each refills its
         #    own batch), binary rewards, GRPO advantages (eq. 1).
-        shared = None if method.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
+        shared = None if method.config.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
 
         def sample(role):
             with timer(role):
@@ -251,9 +245,9 @@ class Driver:
         #    on the method's loss (eq. 10 for GRAFT; objective.py).
         def update(role):
             with timer(role):
-                order = batches[role].minibatches(self.components, self.components.minibatch_prompts(self.cfg.train),
+                order = batches[role].minibatches(method, method.minibatch_prompts(self.cfg.train),
                                                   generator(self.cfg.seed, step, role, "order"))
-                return self.backend.update(role, self.spec, batches[role], order, own[role], sources[role], ratios[role])
+                return self.backend.update(role, batches[role], order, own[role], sources[role], ratios[role])
         counts = self.each(update)
         # 4. Record: per-model metrics, the trajectory log, GPU-hours.
         metrics = {role: self.record(role, step, own, batches[role], counts[role],
@@ -262,34 +256,26 @@ class Driver:
         return metrics, job_metrics
 
     def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
-        """Each receiver's batch by the method: online exchange (every pair of members, both directions,
-        balanced), stored replay (one direction per receiver), or own groups only (single-model GRPO).
+        """Each receiver's batch (``exchange.plan_step``), given what only the job holds: the replayed log's
+        rollouts of this step (stored replay) and HACPO's capability ratios (its tracker spans steps).
         Returns (batches, sources, HACPO capability ratios, the job's exchange metrics)."""
-        method, rollouts = self.components, {role: s.rollouts for role, s in own.items()}
-        gen, ratios = generator(self.cfg.seed, step, "exchange"), {role: 1.0 for role in own}
-        if method.co_train and not method.replays_stored_log:
-            if method.peer_loss.capability_advantages:
-                ratios = self.capability_ratios(rollouts)
-            batches, sources, transfers = plan_exchange(method, rollouts, scorers, gen, ratios)
-            return batches, sources, ratios, {schema.exchange_metric(s, r): float(mask.sum())
-                                              for (s, r), mask in transfers.items()}
-        if method.replays_stored_log:
-            batches, sources = {}, {}
-            for role, sampled in own.items():
-                sources[role] = self.stored_source(role, step, sampled)
-                to_receiver, _ = select_prompts(method, sources[role].k, rollouts[role].k, rollouts[role].n, gen)
-                batches[role] = assemble(method, rollouts[role], sources[role], to_receiver, scorers[role], gen)
-            return batches, sources, ratios, {}
-        nothing = {role: torch.zeros(r.rewards.shape[0], dtype=torch.bool) for role, r in rollouts.items()}
-        return ({role: assemble(method, r, r, nothing[role], None, gen) for role, r in rollouts.items()},
-                dict.fromkeys(own), ratios, {})
+        method, rollouts = self.method, {role: s.rollouts for role, s in own.items()}
+        ratios = {role: 1.0 for role in own}
+        if method.co_train and method.peer_loss.capability_advantages:
+            ratios = self.capability_ratios(rollouts)
+        stored = ({role: self.stored_source(role, step, sampled) for role, sampled in own.items()}
+                  if method.replays_stored_log else None)
+        batches, sources, transfers = plan_step(method, rollouts, scorers, generator(self.cfg.seed, step, "exchange"),
+                                                stored=stored, capability_ratios=ratios)
+        return batches, sources, ratios, {schema.exchange_metric(s, r): float(mask.sum())
+                                          for (s, r), mask in transfers.items()}
 
     def peer_rollouts(self, role: str, own: dict[str, Sampled], source: Rollouts | None) -> dict[str, Rollouts]:
         """What ``role``'s peers sampled on its prompts, by peer role: the replayed log, or the other members'
         rollouts of this step (none under dynamic sampling, where each model draws its own prompts)."""
-        if self.components.replays_stored_log:
+        if self.method.replays_stored_log:
             return {peers(self.cfg.pair, role)[0]: source}
-        if self.method.dynamic_sampling:
+        if self.method.config.dynamic_sampling:
             return {}
         return {peer: own[peer].rollouts for peer in peers(self.cfg.pair, role) if peer in own}
 
@@ -298,7 +284,7 @@ class Driver:
         """Model ``role``'s step metrics (``schema.MODEL_METRICS``) and its trajectory-log entry."""
         rollouts = own[role].rollouts
         m = {schema.TRAIN + k: v for k, v in rollout_metrics(rollouts).items()}
-        m.update(update_metrics(counts, self.spec))
+        m.update(update_metrics(counts, self.method.loss))
         if self.method.co_train:
             m.update({schema.TRAIN + k: v for k, v in batch.metrics.items()})
         if peer_rollouts:

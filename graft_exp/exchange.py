@@ -1,8 +1,9 @@
 """One GRAFT step's exchange, backend-agnostic: from both models' rollouts on the shared prompt batch
 to each receiver's training batch (paper §3, Alg. 1; baselines App. B; variants App. G).
 
-The whole step, for receiver R and source S (``plan_exchange`` runs it in both directions of every pair
-of the group's members; with K > 2 a receiver offered a prompt by several sources takes one, by
+The whole step, for receiver R and source S (``plan_step`` routes every method: ``plan_exchange`` runs it
+in both directions of every pair of the group's members, stored replay in one direction from the peer's
+log, single-model methods not at all; with K > 2 a receiver offered a prompt by several sources takes one, by
 ``method.source_rule``: docs/exchange-k.md)::
 
     k_A, k_B          = successes per prompt                       (Rollouts.k)
@@ -12,7 +13,7 @@ of the group's members; with K > 2 a receiver offered a prompt by several source
       w(o|q)          = method.weights(s, rewards)                  eq. (9) / no gate / random / success
       rows            = own groups, selected groups replaced by S's whole group with S's advantages
                         (w = 0 rows removed; pooled variant keeps both groups, HACPO pools everything)
-      minibatches     = method.peer_position(peer groups)           peer-last by default
+      minibatches     = method.order(peer groups)                   peer-last by default (method.peer_position)
 
 Everything numeric is delegated to ``graft_exp.algorithms``; this module only routes by the answers
 of the method's components (``graft_exp.methods``). Scoring needs the receiver's model, so the backend passes a ``Scorer``: given prompt indices
@@ -70,7 +71,7 @@ class ReceiverBatch:
 
     def minibatches(self, method: Method, groups_per_minibatch: int, generator: torch.Generator) -> list[list[int]]:
         """Group indices of each minibatch, in processing order (peer-last / first / uniform)."""
-        order = method.peer_position(self.group_is_peer, groups_per_minibatch, generator)
+        order = method.order(self.group_is_peer, groups_per_minibatch, generator)
         return [groups.tolist() for groups in order]
 
     def rows_in(self, groups: list[int]) -> list[Row]:
@@ -147,6 +148,29 @@ def assemble(method: Method, receiver: Rollouts, source: Rollouts, selected: tor
                      for i in range(source.n) if weights[j, i] > 0]
     metrics["peer_admitted"] = float((weights > 0).sum())
     return ReceiverBatch(rows, group_is_peer, [], metrics)
+
+
+def plan_step(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, Scorer], generator: torch.Generator,
+              *, stored: dict[str, Rollouts] | None = None, capability_ratios: dict[str, float] | None = None):
+    """Every receiver's batch for one training step of any method, by where its peer rows come from: the
+    other members' rollouts of this step (``plan_exchange``), a replayed log (``stored[R]``: the peer
+    rollouts receiver R replays, one direction, ``method.source`` = stored), or nowhere (single-model
+    methods: own groups only, ``assemble`` with nothing selected).
+
+    Returns (batch of each receiver, the source Rollouts of each receiver's peer rows (None: no peer), the
+    transferred-prompt mask of every ordered (source, receiver) pair of an exchange among the members).
+    """
+    if method.replays_stored_log:
+        batches = {}
+        for role, own in rollouts.items():
+            to_receiver, _ = select_prompts(method, stored[role].k, own.k, own.n, generator)
+            batches[role] = assemble(method, own, stored[role], to_receiver, scorers[role], generator)
+        return batches, dict(stored), {}
+    if method.co_train:
+        return plan_exchange(method, rollouts, scorers, generator, capability_ratios)
+    batches = {role: assemble(method, own, own, torch.zeros(own.rewards.shape[0], dtype=torch.bool), scorers[role],
+                              generator) for role, own in rollouts.items()}
+    return batches, dict.fromkeys(rollouts), {}
 
 
 def plan_exchange(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, Scorer],

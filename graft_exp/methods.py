@@ -1,12 +1,13 @@
 """The method registry: every training method, and the components a method is built from.
 
 A method is a ``conf/method/<name>.yaml`` file (its components and settings over the typed schema,
-``config.MethodConfig``) plus one ``declare`` line below (its display name and cost family). Its
-components are looked up here by name, and the code that runs a method asks them questions instead
-of comparing names: the exchange asks the selection rule which prompts transfer and the admission
-rule which responses stay, the driver asks the peer loss whether it tracks capabilities, the
-backends ask ``LossSpec`` (built from the peer loss) which batch columns the loss needs and whether
-it needs a reference model. An unknown name raises ``UnknownName`` with the valid ones.
+``config.MethodConfig``) plus one ``declare`` line below (its display name and cost family). Each
+config key that names a component (``method.selection``, ``method.admission``, ...) has one table here;
+an entry is a factory that receives the method's config, so a rule reads its settings from YAML keys
+(the schema's, or its own under ``method.params``, declared at registration). ``resolve`` builds a
+method once per job (``Method``: config, components, loss spec); the exchange, the driver and the
+backends ask that object instead of comparing names. An unknown name raises ``UnknownName`` with the
+valid ones.
 
 Adding a variant is a component here (if it needs a new rule; the rule's math goes to
 ``graft_exp.algorithms``), its YAML and its ``declare`` line; see README "Adding a method".
@@ -16,36 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
+
+from graft_exp.registry import Registry, UnknownName, fixed
 
 if TYPE_CHECKING:   # the rules import torch when they run: config, tracking and launching stay torch-free
     import torch
 
-
-class UnknownName(ValueError):
-    """A method or component name the registry does not hold; the message lists the valid ones."""
-
-
-class Registry(dict):
-    """Components of one kind by name (``register`` adds one; ``get`` raises with the valid names)."""
-
-    def __init__(self, key: str):
-        super().__init__()
-        self.key = key      # the config key that names a component of this kind, e.g. method.selection
-
-    def register(self, name: str, component=None):
-        """``REG.register(name, component)``, or ``@REG.register(name)`` on a function."""
-        def add(component):
-            if name in self:
-                raise ValueError(f"{self.key}: {name!r} is registered twice")
-            self[name] = component
-            return component
-        return add if component is None else add(component)
-
-    def get(self, name: str):
-        if name not in self:
-            raise UnknownName(f"{self.key}={name!r} is not one of {', '.join(self)}")
-        return self[name]
+    from graft_exp.objective import LossSpec
 
 
 # ------------------------------------------------------------------------------------ components
@@ -99,52 +79,62 @@ def _random_prompts(k_a, k_b, n, generator):
     return count_matched_random_exchange(*_balanced(k_a, k_b, n, generator), generator)
 
 
-SELECTIONS.register("none", Selection(_nothing, transfers=False))
+SELECTIONS.register("none", fixed(Selection(_nothing, transfers=False)))
 #: eq. (3) + SelectWithTies to m = min(|C_AB|, |C_BA|) (GRAFT, sgt_which, hacpo_which)
-SELECTIONS.register("balanced", Selection(_balanced, one_direction_ok=False))
+SELECTIONS.register("balanced", fixed(Selection(_balanced, one_direction_ok=False)))
 #: eq. (3) in each direction, unbalanced (stored replay: one direction anyway)
-SELECTIONS.register("complementary", Selection(_complementary))
+SELECTIONS.register("complementary", fixed(Selection(_complementary)))
 #: receiver k = 0 and source k >= 1 (SGT; graft_no_balance)
-SELECTIONS.register("rescue", Selection(_rescue))
+SELECTIONS.register("rescue", fixed(Selection(_rescue)))
 #: as many prompts as ``balanced`` takes, drawn uniformly (App. G)
-SELECTIONS.register("random_prompts", Selection(_random_prompts, one_direction_ok=False))
+SELECTIONS.register("random_prompts", fixed(Selection(_random_prompts, one_direction_ok=False)))
 #: every prompt (HACPO)
-SELECTIONS.register("all", Selection(_every, every_prompt=True))
+SELECTIONS.register("all", fixed(Selection(_every, every_prompt=True)))
 
 
-#: ``admit(score [S, n], delta, generator) -> w [S, n]``: weights of transferred responses (0 = removed).
+#: ``admit(score [S, n], generator) -> w [S, n]``: weights of transferred responses (0 = removed).
 ADMISSIONS = Registry("method.admission")
 
 
 @ADMISSIONS.register("gate")
-def _gated(score, delta, generator):
+def _gated(method):
     """eq. (9): w = 1[s > delta] min(s, 1)."""
-    from graft_exp.algorithms import compatibility_weight
-    return compatibility_weight(score, delta)
+    delta = float(method.delta)
+
+    def admit(score, generator):
+        from graft_exp.algorithms import compatibility_weight
+        return compatibility_weight(score, delta)
+    return admit
 
 
 @ADMISSIONS.register("random")
-def _random_admission(score, delta, generator):
+def _random_admission(method):
     """Count-matched random admission (App. G)."""
-    from graft_exp.algorithms import random_admission_weights
-    return random_admission_weights(score, delta, generator)
+    delta = float(method.delta)
+
+    def admit(score, generator):
+        from graft_exp.algorithms import random_admission_weights
+        return random_admission_weights(score, delta, generator)
+    return admit
 
 
-def ungated(score, delta, generator):
+def ungated(score, generator):
     """Not a config value: what ``method.gate=false`` and peer losses without a gate (LUFFY, HACPO) use."""
     from graft_exp.algorithms import ungated_weight
-    return ungated_weight(score, delta)
+    return ungated_weight(score)
 
 
 #: ``keep(w [S, n], rewards [S, n]) -> w``: which transferred responses may carry weight.
 PEER_RESPONSES = Registry("method.peer_responses")
-PEER_RESPONSES.register("all", lambda weights, rewards: weights)
+PEER_RESPONSES.register("all", fixed(lambda weights, rewards: weights))
 
 
-@PEER_RESPONSES.register("success")
 def _success_only(weights, rewards):
     from graft_exp.algorithms import success_only_weights
     return success_only_weights(weights, rewards)
+
+
+PEER_RESPONSES.register("success", fixed(_success_only))
 
 
 @dataclass(frozen=True)
@@ -155,38 +145,41 @@ class Advantages:
 
 
 ADVANTAGES = Registry("method.advantages")
-ADVANTAGES.register("source", Advantages(pooled_with_receiver=False))   # the source's (eq. 1 on its group)
-ADVANTAGES.register("pooled", Advantages(pooled_with_receiver=True))    # App. G
+ADVANTAGES.register("source", fixed(Advantages(pooled_with_receiver=False)))   # the source's (eq. 1 on its group)
+ADVANTAGES.register("pooled", fixed(Advantages(pooled_with_receiver=True)))    # App. G
 
-#: The receiver loss of own and peer rows with this importance ratio (``objective.OBJECTIVES``).
+#: The receiver loss of own and peer rows with this importance ratio (an ``objective.OBJECTIVES`` key).
 RATIOS = Registry("method.ratio")
-RATIOS.register("token", "graft")             # eq. (7)
-RATIOS.register("sequence", "sequence_ratio")  # App. G ablation
+RATIOS.register("token", fixed("graft"))             # eq. (7)
+RATIOS.register("sequence", fixed("sequence_ratio"))  # App. G ablation
+
 
 #: ``order(is_peer_group [P], groups_per_minibatch, generator) -> minibatches``: the group indices of each
 #: minibatch, in processing order; where the minibatches holding peer groups go.
 PEER_POSITIONS = Registry("method.peer_position")
 
 
-@PEER_POSITIONS.register("last")
 def _peer_last(is_peer_group, groups_per_minibatch, generator):
     """Peer groups in the last minibatches (Alg. 1)."""
     from graft_exp.algorithms import peer_last_minibatches
     return peer_last_minibatches(is_peer_group, groups_per_minibatch, generator)
 
 
-@PEER_POSITIONS.register("first")
 def _peer_first(is_peer_group, groups_per_minibatch, generator):
     """Peer groups in the first minibatches (App. G)."""
     from graft_exp.algorithms import peer_first_minibatches
     return peer_first_minibatches(is_peer_group, groups_per_minibatch, generator)
 
 
-@PEER_POSITIONS.register("uniform")
 def _peer_uniform(is_peer_group, groups_per_minibatch, generator):
     """Peer-last minibatches in a seeded random order (App. G)."""
     from graft_exp.algorithms import uniform_minibatches
     return uniform_minibatches(is_peer_group, groups_per_minibatch, generator)
+
+
+PEER_POSITIONS.register("last", fixed(_peer_last))
+PEER_POSITIONS.register("first", fixed(_peer_first))
+PEER_POSITIONS.register("uniform", fixed(_peer_uniform))
 
 
 @dataclass(frozen=True)
@@ -198,9 +191,9 @@ class Source:
 
 
 SOURCES = Registry("method.source")
-SOURCES.register("online", Source())
-SOURCES.register("stored", Source(replays_log_of="grpo_n8",   # App. B "Saved peer logs"
-                                  two_models_only="stored replay trains each receiver on one peer's log"))
+SOURCES.register("online", fixed(Source()))
+SOURCES.register("stored", fixed(Source(replays_log_of="grpo_n8",   # App. B "Saved peer logs"
+                                        two_models_only="stored replay trains each receiver on one peer's log")))
 
 
 @dataclass(frozen=True)
@@ -214,9 +207,9 @@ class SourceRule:
 
 
 SOURCE_RULES = Registry("method.source_rule")
-SOURCE_RULES.register("most_successes", SourceRule(by_successes=True))
-SOURCE_RULES.register("compatibility", SourceRule(by_compatibility=True))
-SOURCE_RULES.register("random", SourceRule())
+SOURCE_RULES.register("most_successes", fixed(SourceRule(by_successes=True)))
+SOURCE_RULES.register("compatibility", fixed(SourceRule(by_compatibility=True)))
+SOURCE_RULES.register("random", fixed(SourceRule()))
 
 
 @dataclass(frozen=True)
@@ -225,7 +218,7 @@ class PeerLoss:
 
     objective: str | None = None    # ``objective.OBJECTIVES`` key; None: method.ratio's (GRAFT's loss)
     transfers: bool = True          # False: no peer responses are learned from (single-model GRPO)
-    gated: bool = True              # the method's admission applies (False: every response, w = min(s, 1))
+    gated: bool = True              # the method's admission applies (False: every response, w = 1)
     nll_only: bool = False          # peer responses enter only an NLL term on one drawn correct response
     pools_every_prompt: bool = False     # own and peer groups both stay on every prompt
     capability_advantages: bool = False  # advantages from the models' capability tracker (HACPO)
@@ -237,15 +230,19 @@ class PeerLoss:
 
 
 PEER_LOSSES = Registry("method.peer_loss")
-PEER_LOSSES.register("none", PeerLoss(transfers=False))
-PEER_LOSSES.register("graft", PeerLoss())                                              # eq. (10)
-PEER_LOSSES.register("luffy", PeerLoss(objective="luffy", gated=False))               # App. B
-PEER_LOSSES.register("nll", PeerLoss(objective="sgt", nll_only=True))                 # SGT, App. B
-PEER_LOSSES.register("hacpo", PeerLoss(objective="hacpo", gated=False, pools_every_prompt=True,
-                                       capability_advantages=True, groups_per_prompt=2,
-                                       own_minibatch=True, kl_to_initial=True, own_clip=True,
-                                       two_models_only="its capability-aware advantages pool exactly two "
-                                                       "models' groups"))   # App. B
+PEER_LOSSES.register("none", fixed(PeerLoss(transfers=False)))
+PEER_LOSSES.register("graft", fixed(PeerLoss()))                                       # eq. (10)
+PEER_LOSSES.register("luffy", fixed(PeerLoss(objective="luffy", gated=False)))        # App. B
+PEER_LOSSES.register("nll", fixed(PeerLoss(objective="sgt", nll_only=True)))          # SGT, App. B
+PEER_LOSSES.register("hacpo", fixed(PeerLoss(objective="hacpo", gated=False, pools_every_prompt=True,
+                                             capability_advantages=True, groups_per_prompt=2,
+                                             own_minibatch=True, kl_to_initial=True, own_clip=True,
+                                             two_models_only="its capability-aware advantages pool exactly two "
+                                                             "models' groups")))   # App. B
+
+#: Every table of components, in the order ``resolve`` builds them.
+COMPONENTS = (SELECTIONS, ADMISSIONS, PEER_RESPONSES, ADVANTAGES, RATIOS, PEER_POSITIONS, SOURCES, SOURCE_RULES,
+              PEER_LOSSES)
 
 
 # ------------------------------------------------------------------------------------ methods
@@ -300,18 +297,26 @@ def declaration(name: str) -> Declaration:
 
 @dataclass(frozen=True)
 class Method:
-    """A method config's components, looked up once (``resolve``): what the driver and exchange ask."""
+    """A method, resolved once per job (``resolve``): its config, its components, and its loss spec. The
+    driver, the exchange and both backends receive this object and ask it what to do."""
 
     config: object                  # cfg.method
     selection: Selection
-    admission: Callable
-    peer_responses: Callable
+    admit: Callable                 # ``admit(score, generator) -> w``: the admission rule, or ``ungated``
+    keep: Callable                  # ``keep(w, rewards) -> w``: method.peer_responses
     advantages: Advantages
     objective: str                  # ``objective.OBJECTIVES`` key of the receiver loss
-    peer_position: Callable         # ``PEER_POSITIONS`` entry: the minibatch order
+    order: Callable                 # ``order(is_peer_group, groups_per_minibatch, generator)``: method.peer_position
     source: Source
     peer_loss: PeerLoss
     source_rule: SourceRule
+
+    @cached_property
+    def loss(self) -> LossSpec:
+        """The receiver loss and its settings (``objective.LossSpec``), built on first use: config checks
+        resolve methods without importing torch."""
+        from graft_exp.objective import LossSpec
+        return LossSpec.from_method(self)
 
     @property
     def two_models_only(self) -> str:
@@ -335,17 +340,34 @@ class Method:
 
     def weights(self, score: torch.Tensor, rewards: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """w(o|q) of the transferred responses ([S, n]): eq. (9), or the variant's rule. 0 = removed."""
-        gated = self.peer_loss.gated and bool(self.config.gate)
-        admit = self.admission if gated else ungated
-        return self.peer_responses(admit(score, float(self.config.delta), generator), rewards)
+        return self.keep(self.admit(score, generator), rewards)
+
+
+def check_params(method) -> None:
+    """``method.params`` holds exactly the keys the method's components declared (a misspelt or missing
+    one raises UnknownName naming the keys they read)."""
+    declared = {}
+    for table in COMPONENTS:
+        for param in table.params.get(method[table.key.split(".", 1)[1]], ()):
+            declared[param] = table.key
+    given = set(method.get("params") or {})
+    for param in sorted(given - set(declared)):
+        raise UnknownName(f"method.params.{param} is read by none of {method.name}'s rules; they read: "
+                          f"{', '.join(declared) or 'nothing'}")
+    for param, key in declared.items():
+        if param not in given:
+            raise UnknownName(f"{key}={method[key.split('.', 1)[1]]} reads method.params.{param}; set it in "
+                              f"conf/method/{method.name}.yaml (params: {{{param}: ...}})")
 
 
 def resolve(method) -> Method:
-    """The components of a method config (``cfg.method``); UnknownName names the bad key and the valid values."""
-    peer_loss, ratio_objective = PEER_LOSSES.get(method.peer_loss), RATIOS.get(method.ratio)
-    return Method(config=method, selection=SELECTIONS.get(method.selection),
-                  admission=ADMISSIONS.get(method.admission), peer_responses=PEER_RESPONSES.get(method.peer_responses),
-                  advantages=ADVANTAGES.get(method.advantages),
+    """The method of a config (``cfg.method``), each component built from it; UnknownName names the bad key
+    and the valid values."""
+    check_params(method)
+    peer_loss, admission, ratio_objective = PEER_LOSSES.build(method), ADMISSIONS.build(method), RATIOS.build(method)
+    gated = peer_loss.gated and bool(method.gate)
+    return Method(config=method, selection=SELECTIONS.build(method), admit=admission if gated else ungated,
+                  keep=PEER_RESPONSES.build(method), advantages=ADVANTAGES.build(method),
                   objective=peer_loss.objective or ratio_objective,
-                  peer_position=PEER_POSITIONS.get(method.peer_position), source=SOURCES.get(method.source),
-                  peer_loss=peer_loss, source_rule=SOURCE_RULES.get(method.source_rule))
+                  order=PEER_POSITIONS.build(method), source=SOURCES.build(method), peer_loss=peer_loss,
+                  source_rule=SOURCE_RULES.build(method))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,12 +21,17 @@ from graft_exp.algorithms import (
     HACPO_KL_COEF,
     HACPO_SELF_CLIP_HIGH,
     HACPO_SELF_CLIP_LOW,
-    POLICY_LOSSES,
+    graft_policy_loss,
     hacpo_kl_loss,
     hacpo_policy_loss,
+    luffy_policy_loss,
+    sequence_ratio_policy_loss,
     sgt_nll_loss,
 )
-from graft_exp.methods import Registry, resolve
+from graft_exp.registry import Registry
+
+if TYPE_CHECKING:
+    from graft_exp.methods import Method
 
 #: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
 #: sequences) of own and peer rows, of those the clipped ones, and SGT's NLL tokens.
@@ -41,7 +47,6 @@ class Objective:
     loss: Callable
     columns: frozenset[str]
     sequence_level: bool = False    # averages and clip counts over sequences (the count metrics' seqs_*)
-    kl_to_reference: bool = False   # a KL term to the frozen initial policy when ``hacpo_kl_coef > 0``
 
 
 #: The receiver losses by name (``methods.PeerLoss.objective`` / ``methods.RATIOS`` name them).
@@ -50,8 +55,8 @@ OBJECTIVES = Registry("receiver loss")
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which objective a receiver optimises, from the method config (picklable: it travels to verl's
-    Ray workers inside the loss function)."""
+    """Which objective a receiver optimises and its settings, from the resolved method (``Method.loss``;
+    picklable: it travels to verl's Ray workers inside the loss function)."""
 
     kind: str                       # an ``OBJECTIVES`` key: graft | sequence_ratio | luffy | sgt | hacpo
     clip_low: float = 0.2
@@ -63,18 +68,20 @@ class LossSpec:
     hacpo_self_clip_high: float = HACPO_SELF_CLIP_HIGH
     hacpo_cross_clip_delta: float = HACPO_CROSS_CLIP_DELTA
     hacpo_cross_clip_step: float = HACPO_CROSS_CLIP_STEP
-    hacpo_kl_coef: float = HACPO_KL_COEF
+    hacpo_kl_coef: float = HACPO_KL_COEF    # 0 unless the peer loss has a KL term to the initial policy
 
     @classmethod
-    def from_method(cls, method) -> LossSpec:
-        """The objective of a method config (``cfg.method``). Single-model GRPO is ``graft`` with no
-        peer rows, which is the token-mean GRPO loss (eq. 2)."""
-        hacpo = method.hacpo
-        return cls(kind=resolve(method).objective, clip_low=float(method.clip_low), clip_high=float(method.clip_high),
-                   clip_ratio_c=float(method.clip_ratio_c), luffy_gamma=float(method.luffy_gamma), sgt_lambda=float(method.sgt_lambda),
+    def from_method(cls, method: Method) -> LossSpec:
+        """The objective of a resolved method (``Method.loss`` builds it once). Single-model GRPO is
+        ``graft`` with no peer rows, which is the token-mean GRPO loss (eq. 2)."""
+        config, hacpo = method.config, method.config.hacpo
+        return cls(kind=method.objective, clip_low=float(config.clip_low), clip_high=float(config.clip_high),
+                   clip_ratio_c=float(config.clip_ratio_c), luffy_gamma=float(config.luffy_gamma),
+                   sgt_lambda=float(config.sgt_lambda),
                    hacpo_self_clip_low=float(hacpo.self_clip_low), hacpo_self_clip_high=float(hacpo.self_clip_high),
                    hacpo_cross_clip_delta=1.0 - float(hacpo.peer_clip_init),
-                   hacpo_cross_clip_step=float(hacpo.peer_clip_step), hacpo_kl_coef=float(hacpo.kl_coef))
+                   hacpo_cross_clip_step=float(hacpo.peer_clip_step),
+                   hacpo_kl_coef=float(hacpo.kl_coef) if method.peer_loss.kl_to_initial else 0.0)
 
     @property
     def objective(self) -> Objective:
@@ -93,7 +100,7 @@ class LossSpec:
     @property
     def needs_reference_model(self) -> bool:
         """The loss reads the frozen initial policy's log-probs (``ref_log_prob``; verl's ref worker)."""
-        return self.objective.kl_to_reference and self.hacpo_kl_coef > 0
+        return self.hacpo_kl_coef > 0
 
 
 @dataclass
@@ -120,20 +127,20 @@ def receiver_loss(spec: LossSpec, log_prob: torch.Tensor, mask: torch.Tensor, ad
     return spec.objective.loss(spec, log_prob, mask, advantages, weights, is_peer, **columns)
 
 
-def _clipped(policy_loss: str, extra: Callable[[LossSpec], dict]):
-    """eq. (10)-style clipped objective of ``algorithms.POLICY_LOSSES[policy_loss]``."""
+def _clipped(policy_loss: Callable, extra: Callable[[LossSpec], dict]):
+    """eq. (10)-style clipped objective of ``policy_loss`` (``graft_exp.algorithms.losses``)."""
     def loss(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None):
-        return POLICY_LOSSES[policy_loss](log_prob, old_log_prob, advantages, weights, mask, spec.clip_low,
+        return policy_loss(log_prob, old_log_prob, advantages, weights, mask, spec.clip_low,
                                           spec.clip_high, is_peer=is_peer, num_tokens=denominator,
                                           clip_ratio_c=spec.clip_ratio_c, **extra(spec))
     return loss
 
 
-_graft = _clipped("graft", lambda spec: {})
+_graft = _clipped(graft_policy_loss, lambda spec: {})
 OBJECTIVES.register("graft", Objective(_graft, frozenset({"old_log_prob", "denominator"})))
-OBJECTIVES.register("sequence_ratio", Objective(_clipped("sequence_ratio", lambda spec: {}),
+OBJECTIVES.register("sequence_ratio", Objective(_clipped(sequence_ratio_policy_loss, lambda spec: {}),
                                                 frozenset({"old_log_prob", "denominator"})))
-OBJECTIVES.register("luffy", Objective(_clipped("luffy", lambda spec: {"gamma": spec.luffy_gamma}),
+OBJECTIVES.register("luffy", Objective(_clipped(luffy_policy_loss, lambda spec: {"gamma": spec.luffy_gamma}),
                                        frozenset({"old_log_prob", "denominator"})))
 
 
@@ -176,7 +183,7 @@ def _hacpo(spec, log_prob, mask, advantages, weights, is_peer, *, source_mean_lo
 
 OBJECTIVES.register("hacpo", Objective(_hacpo, frozenset({"source_mean_log_prob", "capability_ratio", "minibatch_index",
                                                           "ref_log_prob", "denominator"}),
-                                       sequence_level=True, kl_to_reference=True))
+                                       sequence_level=True))
 
 
 def generation_mean_log_prob(rows, own, source) -> torch.Tensor:

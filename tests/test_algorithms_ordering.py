@@ -63,7 +63,7 @@ def test_peer_positions_order_as_their_rules():
     """``method.peer_position`` names these orderings (``methods.PEER_POSITIONS``), the generator included."""
     for name, rule in (("last", peer_last_minibatches), ("first", peer_first_minibatches),
                        ("uniform", uniform_minibatches)):
-        ours = PEER_POSITIONS.get(name)(IS_PEER, 3, torch.Generator().manual_seed(1))
+        ours = PEER_POSITIONS.get(name)(None)(IS_PEER, 3, torch.Generator().manual_seed(1))
         assert as_lists(ours) == as_lists(rule(IS_PEER, 3, torch.Generator().manual_seed(1))), name
     with pytest.raises(UnknownName, match="method.peer_position='middle' is not one of last, first, uniform"):
         PEER_POSITIONS.get("middle")

@@ -199,7 +199,8 @@ def test_selection_rules_by_their_config_names():
     """``method.selection`` names these rules (``methods.SELECTIONS``): SGT's rescue, eq. (3) alone, eq. (3)
     balanced."""
     k_a, k_b = torch.tensor([8, 2, 1, 0]), torch.tensor([0, 0, 0, 3])
-    a_to_b = {name: SELECTIONS.get(name).rule(k_a, k_b, 8, None)[0] for name in ("rescue", "complementary", "balanced")}
+    a_to_b = {name: SELECTIONS.get(name)(None).rule(k_a, k_b, 8, None)[0]
+              for name in ("rescue", "complementary", "balanced")}
     assert torch.equal(a_to_b["rescue"], mask(0, 1, 2, size=4))
     assert torch.equal(a_to_b["complementary"], mask(1, 2, size=4))
     assert torch.equal(a_to_b["balanced"], mask(1, size=4))

@@ -13,7 +13,6 @@ from support.mlflow_records import histories, model_runs
 from graft_exp import driver, methods, schema, tracking
 from graft_exp.algorithms import hacpo_capability, hacpo_capability_ratio, hacpo_positive_rate
 from graft_exp.config import validate
-from graft_exp.objective import LossSpec
 
 FAST = ["train.batch_prompts=8", "train.minibatch_prompts=4", "train.max_steps=2", "eval.val_every=1",
         "eval.runs=1", "eval.samples=1", "backend.progress=false"]
@@ -51,13 +50,13 @@ def quick_or_slow(names):
 def test_every_method_routes_through_its_components(make_job, name):
     cfg, job = make_job(f"method={name}")
     (backend,), scores = fit(cfg, job)
-    method, spec = methods.resolve(cfg.method), LossSpec.from_method(cfg.method)
+    method = methods.resolve(cfg.method)
     assert set(scores) == {"A", "B"} and job.status == "FINISHED"
     assert [u.role for u in backend.updates] == ["A", "B"] * 2
     prompts = int(cfg.train.batch_prompts)
     for update in backend.updates:
         batch = update.batch
-        assert update.spec == spec
+        assert update.spec == method.loss
         assert len(batch.group_is_peer) == prompts * method.peer_loss.groups_per_prompt
         grouped = sorted(g for mb in update.minibatches for g in mb)
         assert grouped == sorted(set(grouped))                   # each group in one minibatch

@@ -12,6 +12,7 @@ from verl.utils import hf_tokenizer
 from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
 from graft_exp.backends.verl.config import data_files, model_path
 from graft_exp.driver import run_directory
+from graft_exp.methods import resolve
 from graft_exp.seeds import derive_seed
 from graft_exp.tiny.models import ASSETS
 from graft_exp.tiny.task import SKILLS
@@ -20,7 +21,7 @@ torch.set_num_threads(1)
 
 
 def built(cfg) -> VerlBackend:
-    backend = VerlBackend(cfg, ["A", "B"], run_directory(cfg))
+    backend = VerlBackend(cfg, resolve(cfg.method), ["A", "B"], run_directory(cfg))
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
     return backend

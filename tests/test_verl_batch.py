@@ -24,7 +24,6 @@ from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.exchange import PEER, Rollouts, assemble, select_prompts
 from graft_exp.methods import resolve
-from graft_exp.objective import LossSpec
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
           "We add the numbers: 12 + 30 = 42, so the answer is \\boxed{42}.", "Compute 7 * 6 and 99 - 3."]
@@ -247,7 +246,7 @@ def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, 
         assert plan.nll and all(int(source.rewards[q, i]) == 1 for q, i in plan.nll)   # a correct response
 
     groups = plan.minibatches(method, 2, torch.Generator().manual_seed(1))
-    minibatches = vb.minibatch_layout(batch, groups, dp_size=2, sequence_mean=LossSpec.from_method(method.config).sequence_level)
+    minibatches = vb.minibatch_layout(batch, groups, dp_size=2, sequence_mean=method.loss.sequence_level)
     real = [mb[torch.nonzero((mb.batch[vl.WEIGHT] > 0) | mb.batch[vl.NLL].bool()).flatten()] for mb in minibatches]
     assert sum(len(mb) for mb in real) == len(batch)                    # every row once, dp padding aside
     nonempty = [g for g in groups if any(r.group in g for r in plan.rows) or any(q in g for q, _ in plan.nll)]

@@ -18,7 +18,7 @@ from graft_exp.backends.verl.backend import dataset_problems, gather_groups
 from graft_exp.backends.verl.config import minibatch_prompts, placement, verl_config
 from graft_exp.config import validate
 from graft_exp.evaluation import evaluate
-from graft_exp.objective import LossSpec
+from graft_exp.methods import resolve
 from graft_exp.prepare import SOURCES, verl_rows, write_parquet
 from graft_exp.prompts import SUFFIX
 
@@ -78,10 +78,10 @@ def test_hacpo_released_configuration(tmp_path):
     assert minibatch_prompts(cfg) == 64 and actor.ppo_mini_batch_size == 64
     assert actor.use_kl_loss is True and actor.kl_loss_coef == 1e-3 and actor.kl_loss_type == "low_var_kl"
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
-    spec = LossSpec.from_method(cfg.method)
+    spec = resolve(cfg.method).loss
     assert spec.kind == "hacpo" and spec.hacpo_cross_clip_delta == pytest.approx(0.2)
     assert spec.needs_reference_model and spec.sequence_level and "old_log_prob" not in spec.columns
-    assert LossSpec.from_method(_compose("pair=pair1", "method=grpo_n8").method).clip_ratio_c == 3.0
+    assert resolve(_compose("pair=pair1", "method=grpo_n8").method).loss.clip_ratio_c == 3.0
 
 
 def test_verl_overrides_and_placement_errors(tmp_path):
@@ -106,7 +106,7 @@ def test_every_pair_and_method_composes_with_verl(tmp_path):
             cfg = _compose(f"pair={pair}", f"method={method}")
             validate(cfg)
             if cfg.method.co_train:
-                assert LossSpec.from_method(cfg.method).kind == LOSS_KINDS.get(method, "graft"), method
+                assert resolve(cfg.method).loss.kind == LOSS_KINDS.get(method, "graft"), method
             roles = ("A", "B") if method == "graft" else ("A",) if pair == "pair1" else ()
             for role in roles:
                 config = verl_config(cfg, role, str(tmp_path / role))

@@ -39,6 +39,7 @@ from graft_exp.backends.local_policy import top_p_filter
 from graft_exp.backends.verl.backend import VerlBackend
 from graft_exp.backends.verl.config import data_files, model_path
 from graft_exp.backends.verl.loss import IS_PEER, NLL, WEIGHT
+from graft_exp.methods import resolve
 from graft_exp.prepare import Source, verl_rows, write_parquet
 from graft_exp.tiny.models import ASSETS, EVAL_SIZE, RECIPES, model_input
 from graft_exp.tiny.task import SKILLS, benchmark, train_split
@@ -197,7 +198,7 @@ backends: list[VerlBackend] = []   # every backend the factory built, in order (
 
 def standin_backend(cfg, roles: list[str], run_dir) -> VerlBackend:
     """``backend.create`` without Ray: verl's datasets and ``VerlModel``s, each attached to the stand-ins."""
-    backend = VerlBackend(cfg, roles, run_dir)
+    backend = VerlBackend(cfg, resolve(cfg.method), roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     for model in backend.models.values():
@@ -208,7 +209,7 @@ def standin_backend(cfg, roles: list[str], run_dir) -> VerlBackend:
             # verl's sharded checkpoint without the export (the paper's models are all *ForCausalLM).
             config.actor_rollout_ref.actor.checkpoint.save_contents = ["model", "optimizer", "extra"]
         wg = CountingWorkerGroup(config.actor_rollout_ref.model.path, config.actor_rollout_ref, DP_SIZE,
-                                 with_ref=backend.spec.needs_reference_model)
+                                 with_ref=backend.method.loss.needs_reference_model)
         model.attach(wg, wg.tokenizer, wg.model.generation_config)
         server = ModelServer(wg, model.stop_ids, int(config.actor_rollout_ref.rollout.response_length))
         model.agent_loop = InProcessAgentLoop.create(config=config, llm_client=server)
@@ -264,7 +265,7 @@ def test_an_overlong_prompt_stops_the_job_before_training(compose_cfg, prepared,
     cfg = verl_cfg(compose_cfg, prepared, tmp_path, "method=graft", "train.max_prompt_length=64")
     train_file, val_files = data_files(cfg)
     with pytest.raises(ValueError, match=r"row 0 of .* is \d+ tokens for .*tiny-char-llama.*max_prompt_length=64"):
-        VerlBackend(cfg, ["A", "B"], tmp_path / "run").build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
+        VerlBackend(cfg, resolve(cfg.method), ["A", "B"], tmp_path / "run").build(train_file, val_files, hf_tokenizer(model_path(cfg, "A")))
 
 
 @pytest.mark.slow

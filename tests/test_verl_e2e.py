@@ -96,10 +96,10 @@ class EngineFactory:
     def __init__(self, job_dir: Path):
         self.job_dir, self.live, self.backends, self.ray_dir = job_dir, {}, [], None
 
-    def __call__(self, cfg, roles, run_dir) -> VerlBackend:
+    def __call__(self, cfg, method, roles, run_dir) -> VerlBackend:
         for role in roles:
             check_verl_loadable(model_path(cfg, role))
-        backend = CheckedBackend(cfg, roles, run_dir)
+        backend = CheckedBackend(cfg, method, roles, run_dir)
         train_file, val_files = data_files(cfg)
         backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
         if not self.live:

@@ -28,7 +28,7 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 from graft_exp.backends.verl.config import ray_init_kwargs, verl_config
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import GraftActorWorker, VerlModel, resource_pools
-from graft_exp.objective import LossSpec
+from graft_exp.methods import resolve
 
 pytestmark = [pytest.mark.verl_engine, pytest.mark.slow]
 STRATEGIES = {"A": "fsdp", "B": "fsdp2"}   # one worker group each, on its own pool of 2 stand-in GPUs
@@ -67,7 +67,7 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
     start_local_ray(num_gpus=4, job_dir=root, init_kwargs=kwargs)   # sets this process's Ray token variables
     try:
-        models = [VerlModel(role, config, LossSpec.from_method(cfg.method)) for role, (cfg, config) in configs.items()]
+        models = [VerlModel(role, config, resolve(cfg.method).loss) for role, (cfg, config) in configs.items()]
         pools = resource_pools(models)
         for model in models:
             worker = RayClassWithInitArgs(cls=ray.remote(GraftActorWorker), config=model.config.actor_rollout_ref,

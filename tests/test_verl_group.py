@@ -17,7 +17,7 @@ from graft_exp.backends.verl.config import placement, ray_init_kwargs, verl_conf
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, resource_pools
 from graft_exp.config import roles
-from graft_exp.objective import LossSpec
+from graft_exp.methods import resolve
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -30,7 +30,7 @@ def test_three_members_get_three_disjoint_pools_on_one_eight_gpu_node(tmp_path):
                                                        f"checkpoint_root={tmp_path / 'checkpoints'}"])
     GlobalHydra.instance().clear()
     placement(cfg)   # 3 members x 2 GPUs fit the group's 6
-    models = [VerlModel(role, verl_config(cfg, role, str(tmp_path / role)), LossSpec.from_method(cfg.method))
+    models = [VerlModel(role, verl_config(cfg, role, str(tmp_path / role)), resolve(cfg.method).loss)
               for role in roles(cfg.pair)]
     kwargs = ray_init_kwargs(models[0].config)
     kwargs["num_cpus"] = 32    # verl's bundles reserve CPUs per GPU

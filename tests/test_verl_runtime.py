@@ -37,6 +37,7 @@ from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, offset_replica_class, scoped_job_id, scoped_zmq_handle
 from graft_exp.exchange import SELF, ReceiverBatch, Row
+from graft_exp.methods import resolve
 from graft_exp.objective import LossSpec
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.tiny.models import ASSETS
@@ -60,7 +61,7 @@ def _model(tmp_path, method: str, dp_size: int, *overrides: str, with_ref: bool 
     """A VerlModel of the tiny char model whose worker group is the in-process stand-in."""
     cfg = _cfg(method, *overrides)
     config = verl_config(cfg, "A", str(tmp_path / "A"))
-    model = VerlModel("A", config, LossSpec.from_method(cfg.method))
+    model = VerlModel("A", config, resolve(cfg.method).loss)
     wg = EngineWorkerGroup(MODEL, config.actor_rollout_ref, dp_size, with_ref=with_ref)
     model.attach(wg, wg.tokenizer, wg.model.generation_config)
     return model
@@ -422,7 +423,7 @@ def test_backend_close_leaves_ray_for_the_next_job(tmp_path, compose_cfg, job_ra
     placement groups."""
     from graft_exp.backends.verl.backend import VerlBackend
 
-    backend = VerlBackend(compose_cfg("backend=verl", "pair=pair1"), ["A", "B"], tmp_path)
+    backend = VerlBackend(cfg := compose_cfg("backend=verl", "pair=pair1"), resolve(cfg.method), ["A", "B"], tmp_path)
     start_local_ray(0, job_dir=tmp_path, num_cpus=1)   # as a job starts its Ray (its own token)
     try:
         backend.close()

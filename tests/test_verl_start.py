@@ -23,7 +23,7 @@ from graft_exp.backends.verl.config import ray_init_kwargs
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, start_models
 from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
-from graft_exp.objective import LossSpec
+from graft_exp.methods import resolve
 
 pytestmark = [pytest.mark.verl_engine, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def test_start_and_rollout_generates_with_the_trained_weights(prepared, tmp_path
         monkeypatch.delenv(key)
     start_local_ray(num_gpus=2, job_dir=tmp_path, init_kwargs=kwargs)
     try:
-        model = VerlModel("A", config, LossSpec.from_method(cfg.method))
+        model = VerlModel("A", config, resolve(cfg.method).loss)
         start_models([model], with_ref=False)
         assert model.replicas == 2   # data-parallel 2, tensor-parallel 1: one replica per worker
         n = int(config.actor_rollout_ref.rollout.n)

@@ -103,11 +103,11 @@ class CheckedBackend(CheckpointCheck, VerlBackend):
             CheckedBackend.log["tokens"].setdefault((role, self.step), []).append(out.batch["responses"].clone())
         return out, texts, finished
 
-    def update(self, role, spec, batch, minibatches, own, source, capability_ratio):
+    def update(self, role, batch, minibatches, own, source, capability_ratio):
         model, scorer = self.models[role], self.scorers[role]
         peer = scorer.scored if scorer.scored is not None and len(scorer.scored) else None
         before = model.log_probs(peer) if peer is not None else None
-        result = super().update(role, spec, batch, minibatches, own, source, capability_ratio)
+        result = super().update(role, batch, minibatches, own, source, capability_ratio)
         if result["tokens_peer"] > 0:
             after = model.log_probs(peer)
             mask = peer.batch["response_mask"].bool()
@@ -142,10 +142,10 @@ class Engines:
         self.job_dir, self.live, self.backends, self.ray_dir = job_dir, {}, [], None
         self.initial: Path = job_dir / "initial"   # each model's state before any training
 
-    def __call__(self, cfg, roles, run_dir) -> VerlBackend:
+    def __call__(self, cfg, method, roles, run_dir) -> VerlBackend:
         for role in roles:
             check_verl_loadable(model_path(cfg, role))
-        backend = CheckedBackend(cfg, roles, run_dir)
+        backend = CheckedBackend(cfg, method, roles, run_dir)
         train_file, val_files = data_files(cfg)
         backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
         if not self.live:

@@ -2,8 +2,8 @@
 losses and minibatch ordering. No I/O and no model code; every function validates its inputs cheaply
 and raises ``ValueError`` on bad ones.
 
-``POLICY_LOSSES`` names the clipped policy losses (``objective.OBJECTIVES`` picks one by name); every other
-rule is named once, where a method's config picks it (``graft_exp.methods``).
+Every rule is named once, where a method's config picks it: the components in ``graft_exp.methods``,
+the receiver losses in ``graft_exp.objective.OBJECTIVES``.
 """
 
 from .advantages import grpo_advantages, pooled_group_advantages
@@ -25,7 +25,6 @@ from .hacpo import (
     kl_estimate,
 )
 from .losses import (
-    POLICY_LOSSES,
     graft_policy_loss,
     luffy_policy_loss,
     luffy_shaping,
@@ -66,7 +65,6 @@ __all__ = [
     "HACPO_MINIBATCH_PROMPTS",
     "HACPO_SELF_CLIP_HIGH",
     "HACPO_SELF_CLIP_LOW",
-    "POLICY_LOSSES",
     "balanced_exchange",
     "compatibility_score",
     "compatibility_weight",

@@ -1,7 +1,8 @@
 """Policy losses to *minimise* (the negated objectives): GRAFT's eq. (10), its sequence-ratio ablation,
 the LUFFY-style peer objective, and SGT's auxiliary NLL.
 
-All policy losses share one signature so that a trainer picks one by name from ``POLICY_LOSSES``::
+The clipped policy losses share one signature (``graft`` with unit weights and no peers is GRPO), so
+``objective.OBJECTIVES`` wraps each the same way::
 
     loss, metrics = fn(log_prob, old_log_prob, advantages, weights, response_mask,
                        clip_low, clip_high, *, is_peer=None, num_tokens=None, clip_ratio_c=None)
@@ -34,16 +35,12 @@ Metrics (detached 0-dim float tensors; call ``float()`` to log):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._checks import check_clip, check_finite, check_mask_like, check_ndim, check_row_vector
 
 #: Bound on |log ratio| before exponentiating, as verl does, so that a far-off token cannot overflow.
 _MAX_LOG_RATIO = 20.0
-
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def _prepare(
@@ -269,14 +266,6 @@ def luffy_policy_loss(
     peer_rows = is_peer.unsqueeze(1).expand_as(log_prob)
     objective = torch.where(peer_rows, peer_objective, own_objective)
     return _token_mean_loss(objective, weights, ratio, log_ratio, clipped & ~peer_rows, present, is_peer, num_tokens)
-
-
-#: Policy losses by name (same signature). ``graft`` with unit weights and no peers is GRPO.
-POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "graft": graft_policy_loss,
-    "sequence_ratio": sequence_ratio_policy_loss,
-    "luffy": luffy_policy_loss,
-}
 
 
 def sgt_nll_loss(

@@ -71,9 +71,8 @@ def compatibility_weight(score: torch.Tensor, delta: float = 0.8) -> torch.Tenso
     return torch.where(score > delta, score.clamp(max=1.0), torch.zeros_like(score))
 
 
-def ungated_weight(score: torch.Tensor, delta: float = 0.8) -> torch.Tensor:
-    """``graft_no_gate``: every transferred response gets weight 1 (no floor, no compatibility
-    weighting). ``delta`` is accepted, and ignored, so that weight rules share one signature."""
+def ungated_weight(score: torch.Tensor) -> torch.Tensor:
+    """``graft_no_gate``: every transferred response gets weight 1 (no floor, no compatibility weighting)."""
     _check_scores(score)
     return torch.ones_like(score)
 

@@ -19,7 +19,8 @@ from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
 from graft_exp.costs import accounted_gpus
 from graft_exp.exchange import PEER, ReceiverBatch, Scorer
-from graft_exp.objective import COUNT_METRICS, LossSpec, NllRows, generation_mean_log_prob, receiver_loss
+from graft_exp.methods import Method
+from graft_exp.objective import COUNT_METRICS, NllRows, generation_mean_log_prob, receiver_loss
 from graft_exp.rollouts import Rollouts
 from graft_exp.scheduler import job_cores
 from graft_exp.tiny import models as tiny
@@ -53,7 +54,7 @@ def load_member_model(key: str, progress: bool):
 class LocalBackend:
     """The models of one job as ``LocalPolicy`` objects on one device (``contract.Backend``)."""
 
-    def __init__(self, cfg: DictConfig, roles: list[str], run_dir: Path | None = None):
+    def __init__(self, cfg: DictConfig, method: Method, roles: list[str], run_dir: Path | None = None):
         # run_dir (the contract's) is unused: the local backend keeps its best weights in memory and in
         # the driver's checkpoints.
         if cfg.pair.data != "tiny_arith":
@@ -62,7 +63,7 @@ class LocalBackend:
         torch.manual_seed(cfg.seed)
         if cfg.backend.threads:
             torch.set_num_threads(int(cfg.backend.threads))
-        self.cfg, self.roles, self.train = cfg, roles, cfg.train
+        self.cfg, self.method, self.roles, self.train = cfg, method, roles, cfg.train
         self.device = resolve_device(cfg.backend.device)
         # On CPU each model's work runs on a core of its own when the job has cores to spare, and each model
         # is then charged as one device: torch's kernels release the GIL, and with one intra-op thread each
@@ -83,7 +84,7 @@ class LocalBackend:
             model, tokenizer = load_member_model(cfg.pair[role], bool(cfg.backend.progress))
             self.policies[role] = LocalPolicy(cfg.pair[role], model, tokenizer, self.device, cfg.train,
                                               int(cfg.train.max_response_length), str(cfg.backend.sampler))
-            if LossSpec.from_method(cfg.method).needs_reference_model:   # its KL anchor: the initial policy
+            if method.loss.needs_reference_model:   # its KL anchor: the initial policy
                 self.references[role] = copy.deepcopy(self.policies[role].model).eval().requires_grad_(False)
         self.best: dict[str, dict] = {}
         self.peer_cache: dict[str, dict] = {role: {} for role in roles}
@@ -136,11 +137,11 @@ class LocalBackend:
         return score
 
     # ------------------------------------------------------------------ update
-    def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
+    def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """One AdamW step per minibatch, in the driver's order, on ``receiver_loss``; ``train.ppo_epochs``
         passes over the minibatches, every pass against the sampling policy's log-probs (as verl)."""
-        policy, cache, data = self.policies[role], self.peer_cache[role], own.data
+        policy, cache, data, spec = self.policies[role], self.peer_cache[role], own.data, self.method.loss
         policy.model.train()
         totals, losses = dict.fromkeys(COUNT_METRICS, 0.0), []
         passes = [(index, groups) for _ in range(int(self.train.ppo_epochs)) for index, groups in enumerate(minibatches)]

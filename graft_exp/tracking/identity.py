@@ -31,6 +31,10 @@ def identity(cfg: DictConfig) -> dict:
     """The resolved config minus the keys that do not change what a job computes."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     ident = {k: v for k, v in resolved.items() if k not in NON_IDENTITY_KEYS}
+    if not ident.get("method", {}).get("params", True):
+        # A method without rule parameters keeps the key it had before ``method.params`` existed, so the
+        # runs already in a store stay findable (resumption, replayed logs, equal-compute references).
+        ident["method"] = {k: v for k, v in ident["method"].items() if k != "params"}
     if "models" in ident:
         ident["models"] = {key: {f: entry[f] for f in CATALOG_IDENTITY_FIELDS if f in entry}
                            for key, entry in ident["models"].items()}

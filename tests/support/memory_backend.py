@@ -3,7 +3,7 @@
 No model: each role has a "skill" per problem and a scalar state. ``sample`` answers a problem correctly
 with a probability set by the role's skill, drawn from the seed the driver passes (so a resumed job draws
 what an uninterrupted one does); ``update`` moves the state by the batch's weighted advantages and records
-every call (spec, rows, minibatches, capability ratio) for the tests to inspect; ``save``/``load`` write
+every call (rows, minibatches, capability ratio; the method's loss spec) for the tests to inspect; ``save``/``load`` write
 the state as JSON. Rewards are still verified for real by ``graft_exp.reward`` (the responses are
 ``\\boxed{...}`` strings).
 """
@@ -20,6 +20,7 @@ import torch
 
 from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import PEER, ReceiverBatch
+from graft_exp.methods import Method
 from graft_exp.objective import COUNT_METRICS, LossSpec
 from graft_exp.rollouts import Rollouts
 
@@ -51,6 +52,7 @@ class Update:
 @dataclass
 class MemoryBackend:
     cfg: object
+    method: Method
     roles: list[str]
     run_dir: Path | None = None
     concurrent: bool = False
@@ -99,8 +101,9 @@ class MemoryBackend:
             return (-0.1 + shift) * tokens.double(), tokens
         return score
 
-    def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
+    def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
+        spec = self.method.loss
         if self.fail_update_at is not None and len(self.updates) == self.fail_update_at:
             raise RuntimeError("update failed (test)")
         self.updates.append(Update(role, spec, own, batch, minibatches, source, capability_ratio))
@@ -139,8 +142,8 @@ class MemoryBackend:
 
 def factory(created: list[MemoryBackend], **options):
     """A ``BackendFactory`` that keeps every backend it creates in ``created``."""
-    def create(cfg, roles, run_dir):
-        backend = MemoryBackend(cfg, list(roles), run_dir, **copy.deepcopy(options))
+    def create(cfg, method, roles, run_dir):
+        backend = MemoryBackend(cfg, method, list(roles), run_dir, **copy.deepcopy(options))
         created.append(backend)
         return backend
     return create

@@ -20,13 +20,13 @@ from graft_exp.backends.verl.config import JOB_TOKEN_ENV, ray_init_kwargs, verl_
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, resource_pools
 from graft_exp.config import register_schemas, roles
-from graft_exp.objective import LossSpec
+from graft_exp.methods import resolve
 
 register_schemas()
 with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
     cfg = compose(config_name="config", overrides=sys.argv[1:])
 models = [VerlModel(role, verl_config(cfg, role, str(Path(cfg.checkpoint_root) / role)),
-                    LossSpec.from_method(cfg.method)) for role in roles(cfg.pair)]
+                    resolve(cfg.method).loss) for role in roles(cfg.pair)]
 # As backends/verl/backend.create starts it: verl's runtime environment and this job's token on every actor.
 start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=cfg.checkpoint_root, address=cfg.backend.ray_address,
                 init_kwargs=ray_init_kwargs(models[0].config))

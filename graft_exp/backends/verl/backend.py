@@ -32,7 +32,8 @@ from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import ReceiverBatch, Scorer
-from graft_exp.objective import COUNT_METRICS, LossSpec
+from graft_exp.methods import Method
+from graft_exp.objective import COUNT_METRICS
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
@@ -106,10 +107,9 @@ class VerlBackend:
 
     concurrent = True
 
-    def __init__(self, cfg: DictConfig, roles: list[str], run_dir: Path):
-        self.cfg, self.roles = cfg, roles
+    def __init__(self, cfg: DictConfig, method: Method, roles: list[str], run_dir: Path):
+        self.cfg, self.method, self.roles = cfg, method, roles
         self.dir = run_dir      # the driver's run directory: each model's verl checkpoints and best weights
-        self.spec = LossSpec.from_method(cfg.method)
         self.n = int(cfg.method.n)
         self.models: dict[str, VerlModel] = {}
         self.scorers: dict[str, vb.PeerScorer] = {}
@@ -133,7 +133,7 @@ class VerlBackend:
         self.val_row = {p.prompt: p.row for problems in self._benchmarks.values() for p in problems}
         steps = total_steps(self.cfg, len(self._problems))
         self.models = {role: VerlModel(role, verl_config(self.cfg, role, str(self.dir / role), training_steps=steps),
-                                       self.spec) for role in self.roles}
+                                       self.method.loss) for role in self.roles}
         for model in self.models.values():
             path = model.config.actor_rollout_ref.model.path
             rendering = hf_tokenizer(path)
@@ -192,10 +192,10 @@ class VerlBackend:
         return self.scorers[role]
 
     # ------------------------------------------------------------------ update
-    def update(self, role: str, spec: LossSpec, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
+    def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """The receiver batch as verl rows, cut into the driver's minibatches, one ``update_actor`` each."""
-        model, scorer = self.models[role], self.scorers[role]
+        model, scorer, spec = self.models[role], self.scorers[role], self.method.loss
         peer_rows = scorer.score(batch.nll, source) if batch.nll else scorer.scored   # SGT scores its NLL rows only
         rows = vb.receiver_batch(own.data, self.n, peer_rows, batch)
         if "source_mean_log_prob" in spec.columns:
@@ -276,7 +276,7 @@ def link_tree(source: Path, target: Path) -> None:
     shutil.copytree(source, target, copy_function=link)
 
 
-def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
+def create(cfg: DictConfig, method: Method, roles: list[str], run_dir: Path) -> VerlBackend:
     """The backend of one GPU job: Ray (a private one on this node, or the allocation's), the datasets and
     every model's worker group, vLLM replicas and checkpoint engine on split resource pools."""
     from verl.utils import hf_tokenizer
@@ -286,7 +286,7 @@ def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
 
     for role in roles:
         check_verl_loadable(model_path(cfg, role))
-    backend = VerlBackend(cfg, roles, run_dir)
+    backend = VerlBackend(cfg, method, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     # The GPUs of the pools this job starts: a single-model job whose other member's shared baseline already
@@ -298,6 +298,5 @@ def create(cfg: DictConfig, roles: list[str], run_dir: Path) -> VerlBackend:
         local_models = {f"model of {role}": model_path(cfg, role) for role in roles
                         if os.path.isdir(model_path(cfg, role))}   # a hub id is fetched by each node itself
         check_shared_paths({"checkpoint_root": str(run_dir)}, local_models)
-    with_ref = backend.spec.needs_reference_model
-    start_models(list(backend.models.values()), with_ref=with_ref)
+    start_models(list(backend.models.values()), with_ref=method.loss.needs_reference_model)
     return backend

@@ -141,12 +141,13 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
     train, evaluation, method, backend = cfg.train, cfg.eval, cfg.method, cfg.backend
     place = placement(cfg)
     train_file, val_files = data_files(cfg)
-    peer_loss = resolve(method).peer_loss
+    resolved = resolve(method)
+    peer_loss = resolved.peer_loss
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
     optimizer = {"adamw": "AdamW"}[str(train.optimizer).lower()]
     # Every update goes through graft_exp's loss, whose only KL term is HACPO's (config.validate refuses
     # train.kl_coef / train.entropy_coef > 0 on verl before any run exists).
-    kl_coef = float(method.hacpo.kl_coef) if peer_loss.kl_to_initial else 0.0
+    kl_coef = resolved.loss.hacpo_kl_coef
 
     steps = training_steps if training_steps is not None else train.max_steps
     total_updates = -1 if steps is None else int(steps) * optimizer_updates_per_step(cfg)   # -1: verl's "unknown"

@@ -197,7 +197,7 @@ class VerlModel:
 
     role: str
     config: DictConfig
-    loss: LossSpec                   # every method's, single-model GRPO included (LossSpec.from_method)
+    loss: LossSpec                   # the job method's (Method.loss), single-model GRPO included
     tokenizer: object = None
     stop_ids: list[int] = field(default_factory=list)   # batch.stop_token_ids of the model
     wg: RayWorkerGroup = None
