@@ -148,3 +148,36 @@ def test_control_flows_one_way():
                 if m.startswith("graft_exp") and m.split(".")[1] not in below]
     assert not [m for m in imported_modules(root / "objective.py", runtime_only=True)
                 if m.startswith("graft_exp") and m.split(".")[1] not in {"algorithms", "registry"}]
+
+
+def test_a_rule_reads_its_parameters_from_the_method_config(request, compose_cfg):
+    """A rule registered with ``params`` gets them from ``method.params`` (its factory receives the config);
+    a missing one and one no rule reads fail naming the keys; only a non-empty ``params`` enters the run key."""
+    import torch
+
+    from graft_exp.algorithms import complementary_candidates
+    from graft_exp.tracking import run_key
+
+    def at_least(method):
+        fraction = float(method.params.min_solved)
+        keep = lambda k_s, k_r, n: complementary_candidates(k_s, k_r, n) & (k_s >= fraction * n)
+        return methods.Selection(lambda k_a, k_b, n, g: (keep(k_a, k_b, n), keep(k_b, k_a, n)))
+    methods.SELECTIONS.register("at_least", at_least, params=("min_solved",))
+    request.addfinalizer(lambda: (methods.SELECTIONS.pop("at_least"), methods.SELECTIONS.params.pop("at_least")))
+    # eq. (3): the receiver solved none, the source 1..7 of 8; then at least min_solved x 8 of them
+    k_a, k_b = torch.tensor([7, 3, 5, 0]), torch.tensor([0, 0, 0, 4])
+    for fraction, a_to_b, b_to_a in ((0.5, [True, False, True, False], [False, False, False, True]),
+                                     (0.75, [True, False, False, False], [False] * 4)):
+        method = methods.resolve(method_config(selection="at_least", params={"min_solved": fraction}))
+        assert [m.tolist() for m in method.selection.rule(k_a, k_b, 8, None)] == [a_to_b, b_to_a]
+    with pytest.raises(methods.UnknownName, match=r"method.selection=at_least reads method.params.min_solved"):
+        methods.resolve(method_config(selection="at_least"))
+    with pytest.raises(methods.UnknownName, match=r"method.params.min_solvd is read by none of test's rules; "
+                                                  r"they read: min_solved"):
+        methods.resolve(method_config(selection="at_least", params={"min_solved": 0.5, "min_solvd": 0.5}))
+    with pytest.raises(methods.UnknownName, match=r"method.params.x is read by none of test's rules; they read: nothing"):
+        methods.resolve(method_config(params={"x": 1}))
+    cfg = compose_cfg()
+    with_params = compose_cfg("method.selection=at_least", "+method.params.min_solved=0.5")
+    assert run_key(compose_cfg("method.selection=at_least")) == run_key(OmegaConf.merge(cfg, {"method": {"selection": "at_least"}}))
+    assert run_key(with_params) != run_key(compose_cfg("method.selection=at_least"))
