@@ -10,10 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from graft_exp import driver, resources, tracking
-from graft_exp.backends import backend_factory
+from graft_exp import resources, tracking
 from graft_exp.config import ConfigError, register_schemas, validate_job
-from graft_exp.driver import CheckpointError, check_newest_checkpoint
 from graft_exp.launching import summary
 
 log = logging.getLogger("graft_exp")
@@ -36,9 +34,16 @@ def main(cfg: DictConfig) -> None:
         check_launch_mode(cfg)
         validate_job(cfg)   # the config, then this machine: backend=verl's extra, data, checkpoint root
         resources.check(resources.job_plan(cfg), cfg)   # GPU memory, token budget: python -m graft_exp.plan
-        check_newest_checkpoint(cfg)
-    except (ConfigError, CheckpointError) as err:
+    except ConfigError as err:
         # A bad override stops the whole sweep before any training, with one clear line.
+        log.error("invalid configuration: %s", err)
+        raise SystemExit(2) from err
+    # The loop and the backends import torch (a second): a bad config has failed before it.
+    from graft_exp import driver
+    from graft_exp.backends import backend_factory
+    try:
+        driver.check_newest_checkpoint(cfg)
+    except driver.CheckpointError as err:
         log.error("invalid configuration: %s", err)
         raise SystemExit(2) from err
     try:

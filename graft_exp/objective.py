@@ -18,7 +18,6 @@ import torch
 from graft_exp.algorithms import (
     HACPO_CROSS_CLIP_DELTA,
     HACPO_CROSS_CLIP_STEP,
-    HACPO_KL_COEF,
     HACPO_SELF_CLIP_HIGH,
     HACPO_SELF_CLIP_LOW,
     graft_policy_loss,
@@ -68,7 +67,7 @@ class LossSpec:
     hacpo_self_clip_high: float = HACPO_SELF_CLIP_HIGH
     hacpo_cross_clip_delta: float = HACPO_CROSS_CLIP_DELTA
     hacpo_cross_clip_step: float = HACPO_CROSS_CLIP_STEP
-    hacpo_kl_coef: float = HACPO_KL_COEF    # 0 unless the peer loss has a KL term to the initial policy
+    hacpo_kl_coef: float = 0.0      # HACPO's KL to the initial policy (method.hacpo.kl_coef where the peer loss has one)
 
     @classmethod
     def from_method(cls, method: Method) -> LossSpec:

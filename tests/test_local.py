@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.mlflow_records import histories, model_runs
 
-from graft_exp import driver, scheduler, schema, tracking
+from graft_exp import driver, methods, scheduler, schema, tracking
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
 from graft_exp.methods import METHODS as declared_methods
@@ -107,14 +107,17 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
 
 
 def test_models_run_concurrently_on_cpu_unless_the_job_shares_its_cores(compose_cfg, monkeypatch):
+    def backend(*overrides, roles=("A", "B")):
+        cfg = compose_cfg("backend.device=cpu", *overrides)
+        return local.LocalBackend(cfg, methods.resolve(cfg.method), list(roles))
     monkeypatch.setenv(scheduler.JOB_CORES_ENV, "2")
-    assert local.LocalBackend(compose_cfg("backend.device=cpu"), ["A", "B"]).concurrent
-    assert not local.LocalBackend(compose_cfg("backend.device=cpu", "backend.concurrent=false"), ["A", "B"]).concurrent
-    assert not local.LocalBackend(compose_cfg("backend.device=cpu", "method=grpo_n8"), ["B"]).concurrent
+    assert backend().concurrent
+    assert not backend("backend.concurrent=false").concurrent
+    assert not backend("method=grpo_n8", roles=["B"]).concurrent
     # Several intra-op threads per model would spin against each other's: the models take turns.
-    assert not local.LocalBackend(compose_cfg("backend.device=cpu", "backend.threads=null"), ["A", "B"]).concurrent
+    assert not backend("backend.threads=null").concurrent
     monkeypatch.setenv(scheduler.JOB_CORES_ENV, "1")    # a cluster=local multirun: one core per job
-    assert not local.LocalBackend(compose_cfg("backend.device=cpu"), ["A", "B"]).concurrent
+    assert not backend().concurrent
 
 
 @pytest.mark.slow

@@ -80,7 +80,9 @@ def test_hacpo_defaults_are_the_released_ones_everywhere():
             config.minibatch_prompts) == (HACPO_SELF_CLIP_LOW, HACPO_SELF_CLIP_HIGH, HACPO_CROSS_CLIP_STEP,
                                           HACPO_KL_COEF, HACPO_MINIBATCH_PROMPTS)
     assert config.peer_clip_init == pytest.approx(1 - HACPO_CROSS_CLIP_DELTA)
-    assert (spec.hacpo_self_clip_low, spec.hacpo_kl_coef) == (HACPO_SELF_CLIP_LOW, HACPO_KL_COEF)
+    assert spec.hacpo_self_clip_low == HACPO_SELF_CLIP_LOW and spec.hacpo_kl_coef == 0   # the KL: the peer loss's
+    assert methods.resolve(OmegaConf.structured(MethodConfig(name="hacpo", peer_loss="hacpo"))).loss.hacpo_kl_coef \
+        == HACPO_KL_COEF
 
 
 def test_cost_families_are_in_the_cost_tables():
