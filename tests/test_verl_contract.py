@@ -196,9 +196,9 @@ class CountingWorkerGroup(EngineWorkerGroup):
 backends: list[VerlBackend] = []   # every backend the factory built, in order (tests inspect them)
 
 
-def standin_backend(cfg, roles: list[str], run_dir) -> VerlBackend:
+def standin_backend(cfg, method, roles: list[str], run_dir) -> VerlBackend:
     """``backend.create`` without Ray: verl's datasets and ``VerlModel``s, each attached to the stand-ins."""
-    backend = VerlBackend(cfg, resolve(cfg.method), roles, run_dir)
+    backend = VerlBackend(cfg, method, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     for model in backend.models.values():
