@@ -346,18 +346,17 @@ class Method:
 def check_params(method) -> None:
     """``method.params`` holds exactly the keys the method's components declared (a misspelt or missing
     one raises UnknownName naming the keys they read)."""
-    declared = {}
-    for table in COMPONENTS:
-        for param in table.params.get(method[table.key.split(".", 1)[1]], ()):
-            declared[param] = table.key
+    declared = {param: table for table in COMPONENTS for param in table.params.get(table.chosen(method), ())}
     given = set(method.get("params") or {})
-    for param in sorted(given - set(declared)):
-        raise UnknownName(f"method.params.{param} is read by none of {method.name}'s rules; they read: "
+    unread = sorted(given - set(declared))
+    if unread:
+        raise UnknownName(f"method.params.{unread[0]} is read by none of {method.name}'s rules; they read: "
                           f"{', '.join(declared) or 'nothing'}")
-    for param, key in declared.items():
-        if param not in given:
-            raise UnknownName(f"{key}={method[key.split('.', 1)[1]]} reads method.params.{param}; set it in "
-                              f"conf/method/{method.name}.yaml (params: {{{param}: ...}})")
+    missing = [param for param in declared if param not in given]
+    if missing:
+        table = declared[missing[0]]
+        raise UnknownName(f"{table.key}={table.chosen(method)} reads method.params.{missing[0]}; set it in "
+                          f"conf/method/{method.name}.yaml (params: {{{missing[0]}: ...}})")
 
 
 def resolve(method) -> Method:

@@ -129,9 +129,8 @@ def receiver_loss(spec: LossSpec, log_prob: torch.Tensor, mask: torch.Tensor, ad
 def _clipped(policy_loss: Callable, extra: Callable[[LossSpec], dict]):
     """eq. (10)-style clipped objective of ``policy_loss`` (``graft_exp.algorithms.losses``)."""
     def loss(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None):
-        return policy_loss(log_prob, old_log_prob, advantages, weights, mask, spec.clip_low,
-                                          spec.clip_high, is_peer=is_peer, num_tokens=denominator,
-                                          clip_ratio_c=spec.clip_ratio_c, **extra(spec))
+        return policy_loss(log_prob, old_log_prob, advantages, weights, mask, spec.clip_low, spec.clip_high,
+                           is_peer=is_peer, num_tokens=denominator, clip_ratio_c=spec.clip_ratio_c, **extra(spec))
     return loss
 
 

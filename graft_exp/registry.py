@@ -33,9 +33,13 @@ class Registry(dict):
             raise UnknownName(f"{self.key}={name!r} is not one of {', '.join(self)}")
         return self[name]
 
+    def chosen(self, method) -> str:
+        """The name the method's config gives under this table's key (``method.selection`` -> its value)."""
+        return method[self.key.split(".", 1)[1]]
+
     def build(self, method):
         """The component the method's config names under this table's key, built from that config."""
-        return self.get(method[self.key.split(".", 1)[1]])(method)
+        return self.get(self.chosen(method))(method)
 
 
 def fixed(component):
