@@ -333,7 +333,11 @@ def start_mlflow(layout: Layout, address: str, port: int, pg: int, names: list[s
            "MLFLOW_AUTH_CONFIG_PATH": str(write_auth_config(layout, pg)),
            # Used only the first time, to create the admin user in an empty user store.
            "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
-           "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(layout, "flask.secret")}
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(layout, "flask.secret"),
+           # MLflow's job executor (GenAI scorers, prompt optimisation) is nothing a tracking server of
+           # training runs uses: without it, ten fewer processes (~2.5 GB) start, and no queue folder is left
+           # in /dev/shm after a stop.
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_URI"):
         env.pop(var, None)
     layout.artifacts.mkdir(parents=True, exist_ok=True)

@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -14,6 +16,82 @@ from graft_exp.config import register_schemas
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_schemas()
+
+
+# --- Two workers (pyproject.toml: -n 2 --dist loadscope) -------------------------------------------------
+#: The files whose tests start Ray (verl's engine workers, vLLM's engines, a job's own Ray), in the order their
+#: worker runs them: the lighter ones first, so that the other worker's job-heavy files (``FIRST``) run beside
+#: them rather than beside the two engine tiers (``exclusive_memory``). No two Rays share the two cores, and a
+#: tier's clean-up checks (its processes, its /dev/shm files) see only its own.
+RAY_FILES = ("test_resources", "test_verl_group", "test_verl_engine", "test_verl_runtime", "test_verl_start",
+             "test_verl_ray_slurm", "test_verl_e2e", "test_verl_vllm")
+#: The other worker starts with these: the eight concurrent jobs and the Slurm jobs, while the Ray worker is light.
+FIRST = ("test_mlflow_server", "test_slurm", "test_server")
+
+
+#: Files whose tests go to whichever worker is free, one by one (their module fixtures are cheap to build twice).
+BY_TEST = ("test_bad_inputs",)
+
+
+def worker_group(nodeid: str) -> str:
+    """The group of a test: ``ray`` for ``RAY_FILES``, the test itself for ``BY_TEST``, its file otherwise (a
+    module's fixtures are then built once)."""
+    file = Path(nodeid.split("::")[0]).stem
+    return "ray" if file in RAY_FILES else nodeid if file in BY_TEST else file
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, the scope of a test being its ``worker_group``: each group runs on one worker,
+    the groups in the order of collection (``--no-loadscope-reorder``; ``pytest_collection_modifyitems``). (xdist's
+    ``loadgroup`` marks do not take with pytest 9, whose node ids can no longer be renamed.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+    return ByGroup(config, log)
+
+
+def queue_rank(item) -> tuple:
+    """Where a test's group stands in the workers' queue: the Ray group first (the longest), then ``FIRST``,
+    then files with a slow or service test, then the quick tier, then ``BY_TEST`` (small units that even out
+    the two workers' ends)."""
+    file = Path(str(item.fspath)).stem
+    if file in RAY_FILES:
+        return (0, RAY_FILES.index(file))
+    if file in FIRST:
+        return (1, FIRST.index(file))
+    if file in BY_TEST:
+        return (4, 0)
+    return (2 if item.get_closest_marker("slow") or item.get_closest_marker("service") else 3, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    ranks = {}
+    for item in items:   # a file ranks as its first slow test: the whole file is one group
+        key = Path(str(item.fspath)).stem
+        ranks[key] = min(ranks.get(key, (9,)), queue_rank(item))
+    items.sort(key=lambda item: ranks[Path(str(item.fspath)).stem])
+
+
+@pytest.fixture(scope="session")
+def exclusive_memory(tmp_path_factory):
+    """``with exclusive_memory():`` waits until no other worker holds it, then holds it. The tests that need
+    most of the machine's memory take it (verl's two engine tiers, the eight concurrent jobs): two of them side
+    by side would exceed 24 GiB. A lock file in the directory the workers' temporary roots share."""
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
+        tmp_path_factory.getbasetemp()
+
+    @contextlib.contextmanager
+    def hold():
+        with open(shared / "exclusive_memory.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    return hold
 
 
 def pytest_configure(config):

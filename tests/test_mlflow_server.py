@@ -71,7 +71,8 @@ def mlflow_server():
         shutil.rmtree(where, ignore_errors=True)
 
 
-def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypatch, record_property):
+def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypatch, record_property,
+                                              exclusive_memory):
     uri, user, password = mlflow_server
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -82,10 +83,11 @@ def test_eight_concurrent_jobs_lose_no_metric(mlflow_server, tmp_path, monkeypat
                     "  - {pair: tiny, method: [graft, grpo_n8], seed: [0, 1, 2, 3]}\n")
     common = ["cluster=submitit_local", "cluster.poll_s=2", "tracking=server",
               f"checkpoint_root={tmp_path / 'checkpoints'}", *SHORT]
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", str(path), "--out",
-                           str(tmp_path / "multirun"), "--poll", "2", *common],
-                          capture_output=True, text=True, timeout=1200, check=False)
+    with exclusive_memory():   # eight jobs, each with torch and two models: ~8 GB
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", str(path), "--out",
+                               str(tmp_path / "multirun"), "--poll", "2", *common],
+                              capture_output=True, text=True, timeout=1200, check=False)
     print(f"\n8 concurrent tiny jobs into mlflow server + PostgreSQL: {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 

@@ -287,7 +287,10 @@ def test_job_on_a_compute_node_loses_no_step_across_a_server_restart(server, nod
     srv.write_private(home / ".mlflow" / "credentials",
                       srv.credentials_text(*server.creds("writer")))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(HOME=str(home), MLFLOW_TRACKING_URI=server.url, OMP_NUM_THREADS="1")
+    # MLflow's longest retry window (about ten minutes, docs/tracking.md): beside the suite's other worker the
+    # restart has taken over two minutes, close to the default four-minute window.
+    env.update(HOME=str(home), MLFLOW_TRACKING_URI=server.url, OMP_NUM_THREADS="1",
+               MLFLOW_HTTP_REQUEST_MAX_RETRIES="10")
     with open(tmp_path / "job.log", "w") as log:
         job = subprocess.Popen(node.command(sys.executable, "-m", "graft_exp", *JOB, "study=netns",
                                             f"checkpoint_root={tmp_path / 'ckpt'}"),

@@ -272,7 +272,7 @@ def test_suite_never_submits_to_a_slurm_it_did_not_start(own_slurm, tmp_path):
     try:
         assert decoy.run("sinfo", "-h", "-o", "%T").stdout.split() == ["idle"]     # the site answers
         inner = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}",
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", f"--basetemp={tmp_path / 'inner'}",
              f"{Path(__file__)}::test_state_of_a_run_follows_its_slurm_job"],
             env={**os.environ, "SLURM_CONF": str(decoy.conf)}, cwd=ROOT, capture_output=True, text=True,
             timeout=300, check=False)

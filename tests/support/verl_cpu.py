@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 
+import psutil
 import torch
 import torch.distributed.fsdp._init_utils as fsdp_init
 from verl.plugin.platform.platform_base import PlatformBase
@@ -498,16 +499,19 @@ def vllm_replica_class():
 SHM_PREFIXES = ("verl_weights_", "psm_", "__KMP_REGISTERED_LIB_")
 
 
-def remove_shm_left(before: set[str]) -> tuple[list[str], list[str]]:
+def remove_shm_left(before: set[str], ours) -> tuple[list[str], list[str]]:
     """Remove the files of ``SHM_PREFIXES`` that appeared in /dev/shm since ``before`` and that no process holds
-    open (run after every Ray and vLLM process of the test has exited; another user's files are never touched).
-    Returns (removed, still held open)."""
+    open (run after every Ray and vLLM process of the test has exited). A file another process holds open, or
+    the OpenMP registration of a process still alive, is another test's (the suite's other worker) or another
+    user's and is never touched; only one held open by a process ``ours(process)`` accepts counts as left.
+    Returns (removed, still held open by ours)."""
     if not os.path.isdir("/dev/shm"):
         return [], []
-    held = set()
-    for fd_dir in (f"/proc/{pid}/fd" for pid in os.listdir("/proc") if pid.isdigit()):
+    holders: dict[str, list[int]] = {}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
-            held.update(os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                holders.setdefault(os.readlink(f"/proc/{pid}/fd/{fd}"), []).append(pid)
         except OSError:
             continue
     removed, left = [], []
@@ -515,10 +519,20 @@ def remove_shm_left(before: set[str]) -> tuple[list[str], list[str]]:
         path = os.path.join("/dev/shm", name)
         if not name.startswith(SHM_PREFIXES):
             continue
-        if path in held:
-            left.append(name)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            removed.append(name)
+        if path in holders:
+            left += [name] if any(_is(pid, ours) for pid in holders[path]) else []
+            continue
+        owner = name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0] if name.startswith("__KMP") else ""
+        if owner.isdigit() and psutil.pid_exists(int(owner)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        removed.append(name)
     return removed, left
+
+
+def _is(pid: int, predicate) -> bool:
+    try:
+        return predicate(psutil.Process(pid))
+    except psutil.Error:
+        return False

@@ -39,9 +39,11 @@ in-process stand-in of its FSDP worker group (``tests/support/verl_standins.py``
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -350,9 +352,14 @@ def resource_pools(models: list[VerlModel]) -> ResourcePoolManager:
 
 
 def start_models(models: list[VerlModel], with_ref: bool) -> None:
-    """Each model's pool (``resource_pools``), then its stack (replica ranks kept disjoint)."""
+    """Each model's pool (``resource_pools``), then every model's stack at once: a start mostly waits on its own
+    processes (the workers' spawn and weight load, the rollout engine's start: minutes per model at the paper's
+    sizes). Replica ranks stay disjoint: a model's start after the GPUs of the pools before it (a replica holds
+    at least one GPU)."""
     manager = resource_pools(models)
-    offset = 0
-    for model in models:
-        model.start(manager.resource_pool_dict[f"graft_{model.role}"], offset, with_ref)
-        offset += model.replicas
+    pools = [manager.resource_pool_dict[f"graft_{model.role}"] for model in models]
+    offsets = [0, *itertools.accumulate(pool.world_size for pool in pools)]
+    with ThreadPoolExecutor(len(models)) as starts:
+        for started in [starts.submit(model.start, pool, offset, with_ref)
+                        for model, pool, offset in zip(models, pools, offsets)]:
+            started.result()
