@@ -16,6 +16,10 @@ from graft_exp.config import register_schemas
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_schemas()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one OpenMP thread per process (this one's torch, the jobs it launches) so that
+    # neither worker's threads spin on the other's core. Jobs that set backend.threads still choose their own.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # --- Two workers (pyproject.toml: -n 2 --dist loadscope) -------------------------------------------------

@@ -32,7 +32,9 @@ ROLLOUT_DIR_ENV = "VERL_CPU_ROLLOUT_DIR"
 #: The test directory (which holds this module as ``support.verl_cpu``) and the project root (the worker
 #: classes) come first on the path.
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "support.verl_cpu", "VERL_PLATFORM": "cpu",
+#: One OpenMP thread per worker: Ray would give an FSDP worker the 3 CPUs of its bundle as threads, and four or more
+#: workers and engines on two cores spin-wait on each other's cores.
+WORKER_ENV = {"VERL_USE_EXTERNAL_MODULES": "support.verl_cpu", "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1",
               "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")]))}
 #: Which rollout the workers build: ``standin`` (default) or ``vllm``.
 ROLLOUT_ENV = "VERL_CPU_ROLLOUT"
