@@ -37,10 +37,15 @@ FIRST = ("test_mlflow_server", "test_slurm", "test_server")
 BY_TEST = ("test_bad_inputs",)
 
 
+def file_of(nodeid: str) -> str:
+    """The name of a test's file, without ``.py`` (``tests/test_slurm.py::test_x`` -> ``test_slurm``)."""
+    return Path(nodeid.split("::")[0]).stem
+
+
 def worker_group(nodeid: str) -> str:
     """The group of a test: ``ray`` for ``RAY_FILES``, the test itself for ``BY_TEST``, its file otherwise (a
     module's fixtures are then built once)."""
-    file = Path(nodeid.split("::")[0]).stem
+    file = file_of(nodeid)
     return "ray" if file in RAY_FILES else nodeid if file in BY_TEST else file
 
 
@@ -61,7 +66,7 @@ def queue_rank(item) -> tuple:
     """Where a test's group stands in the workers' queue: the Ray group first (the longest), then ``FIRST``,
     then files with a slow or service test, then the quick tier, then ``BY_TEST`` (small units that even out
     the two workers' ends)."""
-    file = Path(str(item.fspath)).stem
+    file = file_of(item.nodeid)
     if file in RAY_FILES:
         return (0, RAY_FILES.index(file))
     if file in FIRST:
@@ -74,9 +79,9 @@ def queue_rank(item) -> tuple:
 def pytest_collection_modifyitems(config, items):
     ranks = {}
     for item in items:   # a file ranks as its first slow test: the whole file is one group
-        key = Path(str(item.fspath)).stem
-        ranks[key] = min(ranks.get(key, (9,)), queue_rank(item))
-    items.sort(key=lambda item: ranks[Path(str(item.fspath)).stem])
+        file = file_of(item.nodeid)
+        ranks[file] = min(ranks.get(file, (9,)), queue_rank(item))
+    items.sort(key=lambda item: ranks[file_of(item.nodeid)])
 
 
 @pytest.fixture(scope="session")

@@ -522,7 +522,8 @@ def remove_shm_left(before: set[str], ours) -> tuple[list[str], list[str]]:
         if not name.startswith(SHM_PREFIXES):
             continue
         if path in holders:
-            left += [name] if any(_is(pid, ours) for pid in holders[path]) else []
+            if any(_accepts(ours, pid) for pid in holders[path]):
+                left.append(name)
             continue
         owner = name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0] if name.startswith("__KMP") else ""
         if owner.isdigit() and psutil.pid_exists(int(owner)):
@@ -533,7 +534,7 @@ def remove_shm_left(before: set[str], ours) -> tuple[list[str], list[str]]:
     return removed, left
 
 
-def _is(pid: int, predicate) -> bool:
+def _accepts(predicate, pid: int) -> bool:
     try:
         return predicate(psutil.Process(pid))
     except psutil.Error:
