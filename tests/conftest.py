@@ -28,13 +28,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 #: them rather than beside the two engine tiers (``exclusive_memory``). No two Rays share the two cores, and a
 #: tier's clean-up checks (its processes, its /dev/shm files) see only its own.
 RAY_FILES = ("test_resources", "test_verl_group", "test_verl_engine", "test_verl_runtime", "test_verl_start",
-             "test_verl_ray_slurm", "test_verl_e2e", "test_verl_vllm")
+             "test_verl_ray_slurm", "test_verl_vllm")
 #: The other worker starts with these: the eight concurrent jobs and the Slurm jobs, while the Ray worker is light.
 FIRST = ("test_mlflow_server", "test_slurm", "test_server")
-
-
-#: Files whose tests go to whichever worker is free, one by one (their module fixtures are cheap to build twice).
-BY_TEST = ("test_bad_inputs",)
 
 
 def file_of(nodeid: str) -> str:
@@ -43,10 +39,10 @@ def file_of(nodeid: str) -> str:
 
 
 def worker_group(nodeid: str) -> str:
-    """The group of a test: ``ray`` for ``RAY_FILES``, the test itself for ``BY_TEST``, its file otherwise (a
-    module's fixtures are then built once)."""
+    """The group of a test: ``ray`` for ``RAY_FILES``, its file otherwise (a module's fixtures are then built
+    once)."""
     file = file_of(nodeid)
-    return "ray" if file in RAY_FILES else nodeid if file in BY_TEST else file
+    return "ray" if file in RAY_FILES else file
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -64,15 +60,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 def queue_rank(item) -> tuple:
     """Where a test's group stands in the workers' queue: the Ray group first (the longest), then ``FIRST``,
-    then files with a slow or service test, then the quick tier, then ``BY_TEST`` (small units that even out
-    the two workers' ends)."""
+    then files with a slow or service test, then the quick tier (small units that even out the two workers'
+    ends)."""
     file = file_of(item.nodeid)
     if file in RAY_FILES:
         return (0, RAY_FILES.index(file))
     if file in FIRST:
         return (1, FIRST.index(file))
-    if file in BY_TEST:
-        return (4, 0)
     return (2 if item.get_closest_marker("slow") or item.get_closest_marker("service") else 3, 0)
 
 

@@ -1,13 +1,15 @@
 """Every bad input of ``tests/support/bad_inputs.py`` (the table in docs/bad-inputs.md) fails at once, in one
 clear message, with a non-zero exit and no traceback, and leaves the store and the checkpoint root as
-they were: no run, no experiment, no checkpoint directory."""
+they were: no run, no experiment, no checkpoint directory. Each case is a process of its own, forked from one
+that imported the entry points once (``ForkedCases``); docs/bad-inputs.md's table runs each from a fresh
+interpreter."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from support.bad_inputs import CASES, Case, prepare, run_case, seed_store, store_content
+from support.bad_inputs import CASES, Case, ForkedCases, prepare, seed_store, store_content
 
 
 @pytest.fixture(scope="module")
@@ -17,13 +19,18 @@ def seeded_store(tmp_path_factory) -> Path:
     return where / "store.db"
 
 
+@pytest.fixture(scope="module")
+def run_case() -> ForkedCases:
+    return ForkedCases()
+
+
 def files_under(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
 
 
-@pytest.mark.slow   # a process per case: 52 launches
+@pytest.mark.slow   # a process per case
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_fails_early_and_creates_nothing(case: Case, seeded_store, tmp_path):
+def test_bad_input_fails_early_and_creates_nothing(case: Case, seeded_store, run_case, tmp_path):
     if case.without_gpu:
         import torch
 
@@ -31,15 +38,15 @@ def test_bad_input_fails_early_and_creates_nothing(case: Case, seeded_store, tmp
             pytest.skip("this machine has a CUDA GPU: the case is about one that lacks it")
     prepare(case, tmp_path, template=seeded_store)
     before, checkpoints = store_content(tmp_path / "store.db"), files_under(tmp_path / "ckpt")
-    done, seconds = run_case(case, tmp_path)
-    output = done.stderr + done.stdout
+    done = run_case(case, tmp_path)
+    output = done.output
     assert done.returncode != 0, output
     assert "Traceback" not in output, output
     assert case.expect in output, output
     assert store_content(tmp_path / "store.db") == before
     assert files_under(tmp_path / "ckpt") == checkpoints
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
-    assert seconds < 60, f"took {seconds:.0f} s to fail"
+    assert done.seconds < 60, f"took {done.seconds:.0f} s to fail"
 
 
 def test_the_table_has_the_cases_the_documentation_shows():

@@ -15,7 +15,8 @@ weight sync that stops delivering fails that check; the sampling settings of tra
 vLLM's ``SamplingParams`` (n requests per prompt with distinct seeds, temperature, top-p, max tokens, stop
 tokens) and responses end at a stop token or at the length limit; GRAFT exchanged responses across the two
 tokenizers, the receiver trained on them (peer tokens in its loss, its log-probs of them moved); a job stopped
-after its first checkpoint and resumed by a fresh driver repeats the uninterrupted job.
+after its first checkpoint and resumed by a fresh driver repeats the uninterrupted job; SGT, HACPO (its KL term
+on verl's reference model) and dynamic sampling each train a step, checkpoint and evaluate.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class Engines:
             kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
             self.ray_dir = kwargs["_temp_dir"]
             start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
-            start_models(list(backend.models.values()), with_ref=False)
+            # With the reference model whichever job comes first: HACPO's KL term reads it, the others ignore it.
+            start_models(list(backend.models.values()), with_ref=True)
             self.live = backend.models
             for role, model in self.live.items():
                 model.save(str(self.initial / role), 0)
@@ -393,3 +395,23 @@ def test_grpo_n8_on_vllm_stops_resumes_and_evaluates(compose_cfg, prepared, stor
     for role in ("A", "B"):
         check_requests(engines, cfg, role)
     assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-2"]
+
+
+@pytest.mark.parametrize("method", ["sgt", "hacpo", "grpo_ds"])
+def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, prepared, store_template, tmp_path,  # noqa: F811
+                                                    engines, method, monkeypatch):
+    """A step, validations, a checkpoint and the final evaluation of the best checkpoint on the engines the graft
+    job started; every rollout checked against the trainer's weights, every request's settings. (Stopping and
+    resuming is the same for every method: the graft and GRPO tests do it; test_verl_contract resumes each.)"""
+    shutil.copy(store_template, tmp_path / "mlflow.db")
+    # The untrained tiny models fail most groups, so dynamic sampling would draw DAPO's cap of 10 batches per
+    # step; 3 draws exercise the same refilling path.
+    monkeypatch.setattr(driver, "MAX_GEN_BATCHES", 3)
+    CheckedBackend.reset()
+    batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"] if method == "grpo_ds" else []
+    cfg, job = job_maker(compose_cfg, prepared, tmp_path, method, *batch, "train.max_steps=1")()
+    assert set(driver.fit(cfg, job, engines)) == {"A", "B"}
+    check_job(job, cfg, steps=(1,))
+    for role in ("A", "B"):
+        check_requests(engines, cfg, role)
+    assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-1"]

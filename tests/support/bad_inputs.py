@@ -11,7 +11,9 @@ with an unfinished run's corrupt checkpoint; the store's content is compared bef
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -126,18 +128,29 @@ CASES = [
 ]
 
 
-BLOCKER = """
-import runpy, sys
-hidden = set(sys.argv[1].split(",")) - {""}
 class Hide:
+    """A meta-path finder for which the packages ``hidden`` are not installed."""
+
+    def __init__(self, hidden: set[str]):
+        self.hidden = hidden
+
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in hidden:
+        if name.split(".")[0] in self.hidden:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, Hide())
-module = sys.argv[2]
-sys.argv = [module, *sys.argv[3:]]
-runpy.run_module(module, run_name="__main__", alter_sys=True)
-"""
+
+
+def run_entry_point(hide: tuple[str, ...], module: str, args: list[str]) -> None:
+    """``python -m MODULE ARGS`` as a user's shell runs it, in this process, with the packages ``hide`` not
+    installed (also where this process imported them already)."""
+    hidden = set(hide)
+    for name in [m for m in sys.modules if m.split(".")[0] in hidden]:
+        del sys.modules[name]
+    sys.meta_path.insert(0, Hide(hidden))
+    # An entry module imported before (ForkedCases' preload) would not run as __main__.
+    sys.modules.pop(module, None)
+    sys.modules.pop(f"{module}.__main__", None)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def seed_store(where: Path) -> None:
@@ -197,9 +210,10 @@ def prepare(case: Case, where: Path, template: Path | None = None) -> None:
         (ckpt / "driver.json").write_text('{"step": 2, "cursors": {"shar')
 
 
-def command(case: Case, where: Path) -> list[str]:
+def arguments(case: Case, where: Path) -> list[str]:
+    """The command line after ``python -m MODULE`` (the store and checkpoint root of ``where``)."""
     if case.module not in ("graft_exp", "graft_exp.sweep"):   # no Hydra overrides: the arguments as given
-        return [sys.executable, "-c", BLOCKER, ",".join(case.hide), case.module, *case.args]
+        return list(case.args)
     defaults = [f"checkpoint_root={where / 'ckpt'}"]
     if not any(a.startswith("tracking") for a in case.args):   # a case about tracking names its own store
         defaults.insert(0, f"tracking.uri=sqlite:///{where / 'store.db'}")
@@ -209,22 +223,72 @@ def command(case: Case, where: Path) -> list[str]:
     if case.sweep:
         (where / "sweep.yaml").write_text(SWEEP_TEXT)
         args = ["sweep.yaml", *args]
-    return [sys.executable, "-c", BLOCKER, ",".join(case.hide), case.module, *args]
+    return args
 
 
-def run_case(case: Case, where: Path) -> tuple[subprocess.CompletedProcess, float]:
+def case_env(case: Case) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_", "GRAFT_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **case.env)
     env.pop("HYDRA_FULL_ERROR", None)   # Hydra's own one-message form, as a user sees it
+    return env
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    output: str       # stdout and stderr, interleaved as a terminal shows them
+    seconds: float
+
+
+def run_case(case: Case, where: Path) -> Outcome:
+    """The case in a fresh Python process, from interpreter start to exit (docs/bad-inputs.md's times)."""
     start = time.perf_counter()
-    done = subprocess.run(command(case, where), cwd=where, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    return done, time.perf_counter() - start
+    done = subprocess.run([sys.executable, __file__, "--run", ",".join(case.hide), case.module,
+                           *arguments(case, where)], cwd=where, env=case_env(case), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300, check=False)
+    return Outcome(done.returncode, done.stdout, time.perf_counter() - start)
 
 
-def message(done: subprocess.CompletedProcess, case: Case) -> str:
+#: What the entry points import before they read their arguments: mlflow, torch and Hydra are most of a fresh
+#: process's time to fail (~2 s of ~2.1 s on two cores).
+PRELOAD = ["graft_exp.__main__", "graft_exp.sweep.__main__", "analysis.__main__", "graft_exp.prepare",
+           "graft_exp.server", "graft_exp.tiny.__main__"]
+
+
+def _forked_case(where: str, env: dict, output: str, hide: tuple, module: str, args: list) -> None:
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(where)
+    os.environ.clear()
+    os.environ.update(env)
+    run_entry_point(hide, module, args)
+
+
+class ForkedCases:
+    """Runs each case in a process of its own (its exit code, output and state) forked from one that imported
+    ``PRELOAD`` once (multiprocessing's forkserver), without paying those imports per case."""
+
+    def __init__(self):
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(PRELOAD)
+
+    def __call__(self, case: Case, where: Path) -> Outcome:
+        output = where.parent / f"{where.name}.out"
+        start = time.perf_counter()
+        process = self.context.Process(target=_forked_case, args=(
+            str(where), case_env(case), str(output), case.hide, case.module, arguments(case, where)))
+        process.start()
+        process.join(timeout=300)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+        return Outcome(process.exitcode, output.read_text(), time.perf_counter() - start)
+
+
+def message(done: Outcome, case: Case) -> str:
     """The line of the output that carries the expected message (the first error line otherwise)."""
-    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    lines = [line.strip() for line in done.output.splitlines() if line.strip()]
     for line in lines:
         if case.expect in line:
             return line.split("] - ", 1)[-1]
@@ -239,10 +303,10 @@ def write_table(path: Path) -> None:
         for i, case in enumerate(CASES, 1):
             where = Path(tmp) / f"case{i}"
             prepare(case, where)
-            done, seconds = run_case(case, where)
+            done = run_case(case, where)
             shown = message(done, case).replace("|", "\\|")
             rows.append(f"| {i} | {case.name} | `{case.program} {' '.join(case.args)}` | {done.returncode} | "
-                        f"{seconds:.1f} | {shown} |")
+                        f"{done.seconds:.1f} | {shown} |")
             print(rows[-1], flush=True)
     path.write_text(
         "# Bad inputs and what they get\n\n"
@@ -256,4 +320,7 @@ def write_table(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    write_table(Path(sys.argv[1]))
+    if sys.argv[1] == "--run":   # one case's process (run_case): --run HIDDEN,PACKAGES MODULE ARGS...
+        run_entry_point(tuple(sys.argv[2].split(",")) if sys.argv[2] else (), sys.argv[3], sys.argv[4:])
+    else:
+        write_table(Path(sys.argv[1]))

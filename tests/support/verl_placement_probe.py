@@ -11,6 +11,7 @@ the live Ray nodes with their resources, the node of every bundle of every pool,
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import ray
@@ -45,5 +46,9 @@ nodes = {n["NodeID"]: {"ip": n["NodeManagerAddress"], "CPU": n["Resources"].get(
                        "GPU": n["Resources"].get("GPU", 0), "head": "node:__internal_head__" in n["Resources"]}
          for n in ray.nodes() if n["Alive"]}
 auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+# The head's view of free resources follows each raylet's reports, a moment after a placement group is ready.
+deadline = time.monotonic() + 30
+while ray.available_resources().get("GPU", 0) and time.monotonic() < deadline:
+    time.sleep(0.2)
 print("PLACEMENT " + json.dumps({"nodes": nodes, "pools": placed, "free": ray.available_resources(),
                                  "actor_env": ray.get(actor_env.remote()), "driver_auth": auth}), flush=True)
