@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # --- Two workers (pyproject.toml: -n 2 --dist loadscope) -------------------------------------------------
 #: The files whose tests start Ray (verl's engine workers, vLLM's engines, a job's own Ray), in the order their
 #: worker runs them: the lighter ones first, so that the other worker's job-heavy files (``FIRST``) run beside
-#: them rather than beside the two engine tiers (``exclusive_memory``). No two Rays share the two cores, and a
+#: them rather than beside vLLM's tier (``exclusive_memory``). No two Rays share the two cores, and a
 #: tier's clean-up checks (its processes, its /dev/shm files) see only its own.
 RAY_FILES = ("test_resources", "test_verl_group", "test_verl_engine", "test_verl_runtime", "test_verl_start",
              "test_verl_ray_slurm", "test_verl_vllm")
@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def exclusive_memory(tmp_path_factory):
     """``with exclusive_memory():`` waits until no other worker holds it, then holds it. The tests that need
-    most of the machine's memory take it (verl's two engine tiers, the eight concurrent jobs): two of them side
+    most of the machine's memory take it (vLLM's tier, the eight concurrent jobs): the two side
     by side would exceed 24 GiB. A lock file in the directory the workers' temporary roots share."""
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
         tmp_path_factory.getbasetemp()

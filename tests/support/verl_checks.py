@@ -1,5 +1,5 @@
-"""Checks the verl end-to-end tiers make on the backend's real calls: tests/test_verl_e2e.py (the vLLM
-stand-in) and tests/test_verl_vllm.py (vLLM's engine) subclass the verl backend with them."""
+"""Checks the verl end-to-end tier (tests/test_verl_vllm.py, vLLM's engine) makes on the backend's real calls: it
+subclasses the verl backend with them."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Nothing here applies to a GPU job: only the test suite sets these variables. Eac
 vLLM or torch line it works around.
 
 Two rollouts (``VERL_CPU_ROLLOUT``):
-- ``standin`` (the default; tests/test_verl_e2e.py): the vLLM stand-ins, the worker-side rollout
+- ``standin`` (the default; tests/test_verl_engine.py, tests/test_verl_start.py): the vLLM stand-ins, the worker-side rollout
   (``WeightsRollout``, which keeps the synced weights and samples with them) and the driver-side replica and
   server (``cpu_replica_class``, ``RolloutServer``);
 - ``vllm`` (tests/test_verl_vllm.py): verl's own ``vLLMReplica``, ``vLLMHttpServer`` and ``ServerAdapter`` over
