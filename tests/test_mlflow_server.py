@@ -39,14 +39,14 @@ def postgres_installed() -> bool:
     return any(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
 
 
-#: Where the session's server keeps its data and its PostgreSQL's port (set by ``mlflow_server``).
+#: Where the module's server keeps its data and its PostgreSQL's port (set by ``mlflow_server``).
 SERVER = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def mlflow_server():
-    """``python -m graft_exp.server`` on loopback for this test session, with a user that writes;
-    stopped at its end. Yields (URI, username, password)."""
+    """``python -m graft_exp.server`` on loopback for this module's tests, with a user that writes;
+    stopped after them. Yields (URI, username, password)."""
     if not postgres_installed():
         pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); CI installs "
                     "the `postgresql` Debian package in .ci/run")

@@ -66,7 +66,7 @@ VLLM_SETTINGS = (
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
 )
 OVERRIDES = [*SMALL, "backend.gpus_per_model=1", "pair.gpus=2",
-             "eval.val_samples=2", "eval.samples=2", "train.top_p=1.0", "eval.temperature=0.6", "eval.top_p=0.95",
+             "eval.val_samples=2", "eval.samples=2", "eval.runs=1", "train.top_p=1.0", "eval.temperature=0.6", "eval.top_p=0.95",
              "backend.verl_overrides=[{}]".format(",".join(f"'{o}'" for o in VLLM_SETTINGS))]
 #: Float noise between vLLM's fp32 forward (oneDNN GEMMs, its own attention) and the trainer's (transformers' SDPA).
 ATOL = 1e-4
