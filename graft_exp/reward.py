@@ -56,6 +56,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from graft_exp.scheduler import job_cores
+
 #: Wall-clock seconds one answer may take (parsing both sides and comparing); past it it scores 0.
 #: math-verify's own default per operation, which the paper's reward used.
 VERIFY_TIMEOUT_S = 5.0
@@ -238,9 +240,9 @@ def serve() -> None:
 
 
 def default_workers() -> int:
-    """One worker per core this process may run on (Slurm's allocation), at most ``MAX_WORKERS``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # macOS: no affinity
-    return max(1, min(MAX_WORKERS, cores or 1))
+    """One worker per core this job may use (``scheduler.job_cores``: Slurm's allocation, or this job's share
+    of a machine whose cores a launcher divides between concurrent jobs), at most ``MAX_WORKERS``."""
+    return max(1, min(MAX_WORKERS, job_cores()))
 
 
 class _Worker:

@@ -31,7 +31,7 @@ def job_cores() -> int:
     jobs, else the cores this process may run on (its affinity: Slurm's cpuset, taskset)."""
     given = os.environ.get(JOB_CORES_ENV)
     if not given:
-        return len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1   # macOS: no affinity
     if not given.isdigit() or int(given) < 1:
         raise ValueError(f"{JOB_CORES_ENV}={given!r} is not a number of cores: set a positive integer, or unset it")
     return int(given)

@@ -19,7 +19,15 @@ import yaml
 from math_verify import parser as math_verify_parser
 
 from graft_exp.prepare import SOURCES, gold_answer
-from graft_exp.reward import RewardPool, last_boxed, reward, rewards, verify_answer
+from graft_exp.reward import (
+    MAX_WORKERS,
+    RewardPool,
+    default_workers,
+    last_boxed,
+    reward,
+    rewards,
+    verify_answer,
+)
 
 CASES = yaml.safe_load((Path(__file__).parent / "data" / "reward_cases.yaml").read_text())
 # A power tower: sympy evaluates 9^(9^9) digit by digit for minutes, in bounded memory.
@@ -209,3 +217,12 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="at least one worker"):
         RewardPool(workers=0)
     assert rewards([], []) == []
+
+
+def test_a_pool_has_a_worker_per_core_of_its_job(monkeypatch):
+    """A job whose launcher shares the machine's cores between jobs (``GRAFT_JOB_CORES``, cluster=local) starts
+    one worker per core of its share, not one per core of the machine."""
+    monkeypatch.setenv("GRAFT_JOB_CORES", "1")
+    assert default_workers() == 1
+    monkeypatch.delenv("GRAFT_JOB_CORES")
+    assert default_workers() == min(MAX_WORKERS, len(os.sched_getaffinity(0)))
