@@ -20,15 +20,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: one OpenMP thread per process (this one's torch, the jobs it launches) so that
     # neither worker's threads spin on the other's core. Jobs that set backend.threads still choose their own.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tests' Rays start no idle Python workers ahead of need: the verl tiers' actors each carry a runtime
+# environment of their own and never use them, and on two cores each costs seconds of CPU to start.
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
 
 
 # --- Two workers (pyproject.toml: -n 2 --dist loadscope) -------------------------------------------------
 #: The files whose tests start Ray (verl's engine workers, vLLM's engines, a job's own Ray), in the order their
 #: worker runs them: the lighter ones first, so that the other worker's job-heavy files (``FIRST``) run beside
-#: them rather than beside vLLM's tier (``exclusive_memory``). No two Rays share the two cores, and a
-#: tier's clean-up checks (its processes, its /dev/shm files) see only its own.
+#: them rather than beside vLLM's tier (``exclusive_memory``); Ray on Slurm last, whose tests mostly wait on Slurm
+#: and Ray, beside the other worker's busy files rather than beside the Slurm and server tests' own waits (side by
+#: side, both cores idled for most of a minute). No two Rays share the two cores, and a tier's clean-up checks (its
+#: processes, its /dev/shm files) see only its own.
 RAY_FILES = ("test_resources", "test_verl_group", "test_verl_engine", "test_verl_runtime", "test_verl_start",
-             "test_verl_ray_slurm", "test_verl_vllm")
+             "test_verl_vllm", "test_verl_ray_slurm")
 #: The other worker starts with these: the eight concurrent jobs and the Slurm jobs, while the Ray worker is light.
 FIRST = ("test_mlflow_server", "test_slurm", "test_server")
 
