@@ -358,8 +358,8 @@ def start_models(models: list[VerlModel], with_ref: bool) -> None:
     at least one GPU)."""
     manager = resource_pools(models)
     pools = [manager.resource_pool_dict[f"graft_{model.role}"] for model in models]
-    offsets = [0, *itertools.accumulate(pool.world_size for pool in pools)]
+    offsets = [0, *itertools.accumulate(pool.world_size for pool in pools[:-1])]
     with ThreadPoolExecutor(len(models)) as starts:
         for started in [starts.submit(model.start, pool, offset, with_ref)
-                        for model, pool, offset in zip(models, pools, offsets)]:
+                        for model, pool, offset in zip(models, pools, offsets, strict=True)]:
             started.result()
