@@ -7,10 +7,12 @@ Slurm answering on this machine, the suite's jobs land only on its own cluster. 
 
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,17 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def store_has_a_run(db: Path) -> bool:
+    """Read-only, so that looking never creates or migrates the store."""
+    if not db.exists():
+        return False
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            return conn.execute("SELECT count(*) FROM runs").fetchone()[0] > 0
+    except sqlite3.Error:   # not created yet, or being created
+        return False
+
+
 def last_step(client: MlflowClient, run_id: str) -> int:
     history = client.get_metric_history(run_id, "cost/gpu_hours")
     return max((m.step for m in history), default=0)
@@ -173,11 +186,13 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, own_slurm, work
     proc = subprocess.Popen(sweep_command(path, workdir, slurm, *overrides), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
+        # Opening a store with MlflowClient creates or migrates it; doing that while the launcher creates the
+        # same store races MLflow's migrations ("table _alembic_tmp_experiments already exists"). So the test
+        # opens it only once the store holds a run, i.e. after the launcher has finished making it.
+        wait_for(lambda: store_has_a_run(workdir / "mlflow.db"), 600, "the job's run", proc)
         client = MlflowClient(uri)
 
         def job_run_past(step: int):
-            if not (workdir / "mlflow.db").exists():
-                return None
             for run in [r for rs in runs_by_key(uri).values() for r in rs]:
                 if "mlflow.parentRunId" not in run.data.tags and last_step(client, run.info.run_id) >= step:
                     return run
