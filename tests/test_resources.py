@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from graft_exp import resources
+from graft_exp import resources, scheduler
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.config import ConfigError
 from graft_exp.launching.callbacks import PlannedJob, check_plans, shared_gpus, slurm_request, trained_roles
@@ -166,3 +166,25 @@ def test_launch_callback_sets_the_slurm_request_from_the_plans(tmp_path):
 
     assert launched() == (0, 1, 2)
     assert launched("hydra.launcher.mem_gb=4") == (0, 1, 4)
+
+
+@pytest.mark.parametrize("cluster", ["submitit_local", "local"])
+def test_launch_callback_gives_each_local_job_its_share_of_the_cores(cluster, tmp_path, monkeypatch):
+    """On this machine the jobs of a multirun divide its cores (their reward workers, their models side by side):
+    submitit_local starts all of them at once, a share each; the joblib launcher one per core, one core each."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict, read_write
+
+    from graft_exp.launching.callbacks import LaunchCallback
+
+    monkeypatch.setenv(scheduler.JOB_CORES_ENV, "8")   # the machine these jobs share, whatever this one has
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True,
+                      overrides=[f"cluster={cluster}", f"tracking.uri=sqlite:///{tmp_path}/store.db",
+                                 f"checkpoint_root={tmp_path}/ckpt"])
+        with read_write(cfg.hydra), open_dict(cfg.hydra):
+            cfg.hydra.sweeper.params = {"seed": "0,1,2"}
+        callback = LaunchCallback()
+        callback.on_multirun_start(cfg)
+        callback.on_multirun_end(cfg)
+    assert scheduler.job_cores() == {"submitit_local": 8 // 3, "local": 1}[cluster]

@@ -12,6 +12,7 @@ In the launching process, before any job starts (``on_multirun_start``):
     earlier job of this (sequential) multirun is refused;
   * every job's resource plan (``graft_exp.resources``) is checked, and on Slurm the array's request is
     set from the plans (``slurm_request``): GPUs, CPUs and memory follow from the members each job trains;
+  * the jobs of a multirun on this machine learn their share of its cores (``scheduler.JOB_CORES_ENV``);
   * ``backend=verl`` jobs of one multirun on this machine (``cluster=local``) run one after another: side
     by side they would share the same GPUs; ``cluster=submitit_local`` refuses more than one;
   * submitit's "Bypassing sacct error" warning, printed at every poll where Slurm accounting is
@@ -330,6 +331,10 @@ class LaunchCallback(Callback):
         if parallel and config.cluster.get("exclusive"):
             # The jobs share this machine's cores, one each: the joblib workers started after this inherit it.
             os.environ[scheduler.JOB_CORES_ENV] = "1"
+        elif parallel and config.cluster.name == "submitit_local":
+            # All jobs start at once on this machine: each takes its share of the cores (its reward workers,
+            # its models trained side by side); submitit's job processes inherit this environment.
+            os.environ[scheduler.JOB_CORES_ENV] = str(max(1, scheduler.job_cores() // len(jobs)))
         missing_logs = missing_stored_logs(jobs, parallel)
         if missing_logs:
             fail_before_launch("nothing launched: stored-trajectory jobs have no log to replay:\n  "
