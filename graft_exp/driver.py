@@ -138,7 +138,8 @@ class Driver:
         if self.method.replays_stored_log:   # a pair: each role replays its one peer's log
             stored = {role: download_stored_log(cfg, job.client, cfg.pair[peer], self.root / "stored" / cfg.pair[peer])
                       for role in members for peer in peers(cfg.pair, role)}
-        reward.default_pool().start()   # the verification workers start while the models load
+        # The verification workers a step's batch needs start while the models load.
+        reward.default_pool().start(int(cfg.train.batch_prompts) * int(self.method.config.n))
         runs = {role: tracking.open_model_run(cfg, job, role) for role in members}
         # Co-trained models need each other even if one run was already closed (a job stopped between
         # their final evaluations); a single-model baseline someone else finished is skipped.

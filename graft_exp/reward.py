@@ -37,8 +37,10 @@ replaced, that answer scores 0 and the rest of the batch goes on. ``reward``/``r
 the same result from the main thread, any thread and any process. The workers are fresh interpreters
 (``python -c``), not forks: nothing of the trainer (torch threads, CUDA, Hydra or submitit state) is
 copied into them, and unlike multiprocessing's spawn they do not re-import the caller's ``__main__``.
-The default pool starts lazily on the first call (one worker per available core, at most
-``MAX_WORKERS``), is reused by every later call of the process and is shut down at exit.
+The default pool starts lazily on the first call, is reused by every later call of the process and is
+shut down at exit. It may use one worker per available core (at most ``MAX_WORKERS``) but starts only as
+many as its calls need (one per ``PAIRS_PER_WORKER`` answers of a call): a worker costs about a second and
+a half of a core to start, and a small job's whole batch verifies in milliseconds on one.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ from graft_exp.scheduler import job_cores
 VERIFY_TIMEOUT_S = 5.0
 #: More workers than this do not pay: a step's 1,024 responses take ~1 s on one core.
 MAX_WORKERS = 16
+#: Answers of one call per worker: a call of more starts more workers (up to the pool's size), kept for
+#: later calls. A worker verifies this many in ~0.1 s; starting one costs ~1.5 s of a core.
+PAIRS_PER_WORKER = 128
 #: Seconds a fresh worker may take to import math-verify (sympy) on a loaded node.
 START_TIMEOUT_S = 120.0
 #: Address-space cap of a worker: a runaway expansion raises MemoryError (scored 0) instead of
@@ -295,8 +300,9 @@ class RewardPool:
 
     ``score`` spreads a batch over the workers in chunks; a worker that passes ``timeout_s`` on one
     pair (or dies) is killed and replaced, that pair scores 0 and the rest of its chunk is re-queued.
-    Thread-safe: concurrent calls take turns (each already uses every worker). Workers start on the
-    first call (or on ``start``). ``timeouts`` counts the pairs scored 0 that way.
+    Thread-safe: concurrent calls take turns (each already uses every worker). Workers start when a call
+    (or ``start``) needs them: one per ``PAIRS_PER_WORKER`` pairs, at most ``size``, kept for later calls.
+    ``timeouts`` counts the pairs scored 0 that way.
     """
 
     def __init__(self, workers: int | None = None, timeout_s: float = VERIFY_TIMEOUT_S) -> None:
@@ -314,25 +320,25 @@ class RewardPool:
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
         """The score of each ``(answer, gold)`` pair (``verify_answer``), 0.0 past the timeout."""
         with self._lock:
-            self._start()
+            self._start(len(pairs))
             return self._run(pairs)
 
-    def start(self) -> None:
-        """Start the workers now, without waiting for them (they import math-verify in the
-        background): a trainer that calls this while it loads its models hides the start-up."""
+    def start(self, pairs: int = 1) -> None:
+        """Start the workers a call of ``pairs`` pairs will use, without waiting for them (they import
+        math-verify in the background): a trainer that calls this while it loads its models hides the start-up."""
         with self._lock:
-            self._start()
+            self._start(pairs)
 
-    def _start(self) -> None:
+    def _start(self, pairs: int) -> None:
         if os.getpid() != self.pid:
             raise RuntimeError("a RewardPool cannot be used from a forked child; make a new one there")
-        if not self._workers:
-            self._workers = [_Worker() for _ in range(self.size)]
+        wanted = min(self.size, max(1, -(-pairs // PAIRS_PER_WORKER)))
+        self._workers += [_Worker() for _ in range(wanted - len(self._workers))]
 
     def _run(self, pairs: list[tuple[str, str]]) -> list[float]:
         scores = [0.0] * len(pairs)
         # Several chunks per worker balance slow answers; large chunks amortise the pipe round trip.
-        size = max(1, min(64, -(-len(pairs) // (4 * self.size))))
+        size = max(1, min(64, -(-len(pairs) // (4 * len(self._workers)))))
         queue = deque(list(range(start, min(start + size, len(pairs)))) for start in range(0, len(pairs), size))
         while queue or any(w.chunk for w in self._workers):
             for index, worker in enumerate(self._workers):

@@ -21,6 +21,7 @@ from math_verify import parser as math_verify_parser
 from graft_exp.prepare import SOURCES, gold_answer
 from graft_exp.reward import (
     MAX_WORKERS,
+    PAIRS_PER_WORKER,
     RewardPool,
     default_workers,
     last_boxed,
@@ -93,7 +94,8 @@ def test_shared_pool_from_concurrent_threads():
 def test_pathological_answer_times_out_and_the_pool_goes_on():
     pool = RewardPool(workers=2, timeout_s=3.0)
     try:
-        rewards(["\\boxed{1}"], ["1"], pool=pool)  # start the workers outside the timed part
+        pool.start(2 * PAIRS_PER_WORKER)   # both workers, started outside the timed part
+        rewards(["\\boxed{1}"], ["1"], pool=pool)
         before = {w.process.pid for w in pool._workers}
         batch = [PATHOLOGICAL] + [c["response"] for c in CASES[:20]]
         golds = ["5"] + [gold(c) for c in CASES[:20]]
@@ -116,7 +118,7 @@ def test_pathological_answer_times_out_and_the_pool_goes_on():
 def test_start_returns_at_once_and_close_stops_the_workers():
     pool = RewardPool(workers=2)
     start = time.monotonic()
-    pool.start()
+    pool.start(2 * PAIRS_PER_WORKER)
     assert time.monotonic() - start < 1.0  # the interpreters import math-verify in the background
     processes = [w.process for w in pool._workers]
     assert len(processes) == 2
@@ -126,6 +128,24 @@ def test_start_returns_at_once_and_close_stops_the_workers():
     assert all(p.returncode is not None for p in processes)
     assert rewards(["\\boxed{\\pi}"], ["\\pi"], pool=pool) == [1.0]  # a closed pool starts again
     pool.close()
+
+
+@pytest.mark.slow   # starts the verifier worker processes
+def test_a_pool_starts_the_workers_its_calls_need():
+    """A worker costs about a second and a half of a core to start and verifies a small batch in milliseconds:
+    a small call runs on one worker; a larger one starts one per PAIRS_PER_WORKER pairs, at most the pool's
+    size, and the pool keeps them."""
+    pool = RewardPool(workers=3)
+    try:
+        assert rewards([c["response"] for c in CASES[:10]], [gold(c) for c in CASES[:10]], pool=pool) == \
+            [float(c["reward"]) for c in CASES[:10]]
+        assert len(pool._workers) == 1
+        many = [(str(i), str(i)) for i in range(PAIRS_PER_WORKER + 1)]
+        assert pool.score(many) == [1.0] * len(many) and len(pool._workers) == 2
+        assert pool.score(many * 3) == [1.0] * 3 * len(many) and len(pool._workers) == 3   # the pool's size
+        assert pool.score(many[:3]) == [1.0] * 3 and len(pool._workers) == 3
+    finally:
+        pool.close()
 
 
 def test_workers_import_this_package_whatever_the_working_directory(tmp_path, monkeypatch):

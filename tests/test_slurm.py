@@ -179,8 +179,8 @@ def test_requeued_job_resumes_its_run_with_each_step_once(slurm, own_slurm, work
     ends as one FINISHED run in which every step is recorded once. Enough steps that the job is still
     training when the second interruption comes: submitit lets a SIGTERM pass, so a job that finishes
     within Slurm's kill grace period (KillWait) completes instead of being requeued."""
-    steps = 30
-    overrides = [f"train.max_steps={steps}", "eval.val_every=15"]
+    steps = 20
+    overrides = [f"train.max_steps={steps}", "eval.val_every=10"]
     path = sweep_file(workdir / "requeue.yaml", ["graft"], seed=5)
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     proc = subprocess.Popen(sweep_command(path, workdir, slurm, *overrides), stdout=subprocess.PIPE,
