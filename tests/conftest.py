@@ -34,7 +34,8 @@ os.environ.setdefault("RAY_enable_worker_prestart", "0")
 #: processes, its /dev/shm files) see only its own.
 RAY_FILES = ("test_resources", "test_verl_group", "test_verl_engine", "test_verl_runtime", "test_verl_start",
              "test_verl_vllm", "test_verl_ray_slurm")
-#: The other worker starts with these: the eight concurrent jobs and the Slurm jobs, while the Ray worker is light.
+#: The other worker starts with these: the concurrent jobs into mlflow server and the Slurm jobs, while the Ray
+#: worker is light.
 FIRST = ("test_mlflow_server", "test_slurm", "test_server")
 
 
@@ -86,7 +87,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def exclusive_memory(tmp_path_factory):
     """``with exclusive_memory():`` waits until no other worker holds it, then holds it. The tests that need
-    most of the machine's memory take it (vLLM's tier, the eight concurrent jobs): the two side
+    most of the machine's memory take it (vLLM's tier, the concurrent jobs into mlflow server): the two side
     by side would exceed 24 GiB. A lock file in the directory the workers' temporary roots share."""
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
         tmp_path_factory.getbasetemp()

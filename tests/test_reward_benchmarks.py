@@ -35,7 +35,7 @@ from graft_exp.reward import RewardPool, last_boxed, rewards
 DATA = Path(__file__).parent / "data"
 RAW_GOLDS = json.loads((DATA / "benchmark_golds.json").read_text())
 FIELD = {"math": "solution"}  # the training split's gold field is the worked solution (its last box kept)
-PAIR_SAMPLE = {"math500": 1200, "aime2024": 200, "aime2025": 200, "amc23": 300, "minerva": 500, "math": 1200}
+PAIR_SAMPLE = {"math500": 600, "aime2024": 100, "aime2025": 100, "amc23": 150, "minerva": 250, "math": 600}
 _PLAIN_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 #: Different gold strings of one benchmark that are the same answer: scoring 1 between them is right.
