@@ -18,6 +18,7 @@ from graft_exp.config import validate
 from graft_exp.launching import status
 from graft_exp.launching.jobs import Composer
 from graft_exp.sweep import SweepError, expand, plan, replace
+from graft_exp.sweep.__main__ import main as sweep_main
 from graft_exp.sweep.launch import Launch, busy_cores, by_priority, exclusive_batch, launch_commands
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,15 +226,15 @@ runs:
 """
 
 
-def run_cli(*args, cwd) -> str:
-    done = subprocess.run([sys.executable, "-m", "graft_exp.sweep", *args], capture_output=True, text=True,
-                          check=False, cwd=cwd, env={**os.environ, "COLUMNS": "200"}, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+def run_cli(capsys, *args) -> str:
+    """``python -m graft_exp.sweep ARGS`` in this process (its ``main``): what it printed."""
+    capsys.readouterr()
+    assert sweep_main(list(args)) == 0, capsys.readouterr().out
+    return capsys.readouterr().out
 
 
-@pytest.mark.slow   # python -m graft_exp.sweep launches
-def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, store_template):
+@pytest.mark.slow   # plans and reads the states of an 8-job sweep twice
+def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, store_template, capsys, monkeypatch):
     shutil.copy(store_template, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (tmp_path / "tiny.yaml").write_text(TINY_SWEEP)
@@ -259,13 +260,14 @@ def test_dry_run_and_status_count_finished_failed_crashed_missing(tmp_path, stor
                                  "graft.pid": str(os.getpid())})
 
     started = time.monotonic()
-    dry = run_cli(str(tmp_path / "tiny.yaml"), "--dry-run", f"tracking.uri={uri}", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    dry = run_cli(capsys, str(tmp_path / "tiny.yaml"), "--dry-run", f"tracking.uri={uri}")
     elapsed = time.monotonic() - started
     # MLflow alone cannot tell a crashed RUNNING run from a live one: both count as running.
     assert "8 jobs: 1 finished, 2 running, 0 pending, 0 held, 1 failed, 4 missing" in dry
     assert elapsed < 60
 
-    states = run_cli(str(tmp_path / "tiny.yaml"), "--status", f"tracking.uri={uri}", cwd=tmp_path)
+    states = run_cli(capsys, str(tmp_path / "tiny.yaml"), "--status", f"tracking.uri={uri}")
     assert "8 jobs: 1 finished, 1 running, 0 pending, 0 held, 2 failed, 4 missing" in states
     assert f"failed #{failed.index} pair=tiny method=sgt seed=0: log /logs/sgt-0.log" in states
     assert f"crashed #{crashed.index} pair=tiny method=hacpo seed=0: log /logs/hacpo-0.log" in states
