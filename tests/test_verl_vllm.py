@@ -142,7 +142,6 @@ class Engines:
 
     def __init__(self, job_dir: Path):
         self.job_dir, self.live, self.backends, self.ray_dir = job_dir, {}, [], None
-        self.initial: Path = job_dir / "initial"   # each model's state before any training
 
     def __call__(self, cfg, method, roles, run_dir) -> VerlBackend:
         for role in roles:
@@ -159,18 +158,10 @@ class Engines:
             # With the reference model whichever job comes first: HACPO's KL term reads it, the others ignore it.
             start_models(list(backend.models.values()), with_ref=True)
             self.live = backend.models
-            for role, model in self.live.items():
-                model.save(str(self.initial / role), 0)
         else:
             attach_started(backend.models, self.live)
         self.backends.append(backend)
         return backend
-
-    def restore_initial(self) -> None:
-        """Every model back to its state before any training (weights, optimizer, scheduler); the engines get
-        the weights at the next generation."""
-        for role, model in self.live.items():
-            model.load(str(self.initial / role))
 
     def requests(self, role: str) -> list[dict]:
         """The requests ``role``'s vLLM engine served since the last call (``verl_cpu.recording_server``)."""
@@ -326,6 +317,7 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, prep
     CheckedBackend.reset()
     cfg, job = run_interrupted(job_maker(compose_cfg, prepared, tmp_path, "graft"), engines)
     check_job(job, cfg)
+    assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-2"]   # the latest only
     log = dict(CheckedBackend.log)
     assert len(log["rollouts"]) >= 4 and len(log["evaluations"]) >= 2 * (3 + int(cfg.eval.runs))
     for role in ("A", "B"):
@@ -362,7 +354,6 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, prep
     model = backend.models["A"]
     rows, _ = CheckedBackend.saved[("A", 2)]
     rows.batch["old_log_probs"] = model.log_probs(rows)
-    n = int(model.config.actor_rollout_ref.rollout.n)
     grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
     synced = []
     monkeypatch.setattr(model.checkpoints, "update_weights", lambda global_steps=None: synced.append(global_steps))
