@@ -182,11 +182,13 @@ def foreign_home(root: Path) -> tuple[Path, str]:
 
 
 def ray_client(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """A process that joins the Ray cluster at ``address`` and runs one task there."""
+    """A process that joins the Ray cluster at ``address`` and runs one task there. A refused process retries its
+    connection for ~20 s (ray/_private/node.py ``_init_gcs_client``: ``NUM_REDIS_GET_RETRIES`` tries, a second
+    apart); ``RAY_gcs_server_port_wait_time_s`` sets that number of tries, and two already show the refusal."""
     code = (f"import ray; ray.init(address={address!r}, log_to_driver=False); "
             "print('RAN', ray.get(ray.remote(lambda: 6 * 7).remote()))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                          env={**env, "PATH": os.environ["PATH"]})
+                          env={**env, "PATH": os.environ["PATH"], "RAY_gcs_server_port_wait_time_s": "2"})
 
 
 @pytest.mark.slow
