@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from support.optional import RAY
 
 from graft_exp import resources, scheduler
 from graft_exp.backends.verl.ray_slurm import start_local_ray
@@ -117,6 +118,7 @@ def test_verl_multirun_on_this_machine_does_not_share_gpus(compose_cfg):
 
 def test_private_ray_without_the_placement_groups_cpus_is_refused(tmp_path):
     """verl reserves 3 CPUs per GPU: a job with fewer would wait in pg.ready() until its time limit."""
+    pytest.importorskip("ray", reason=RAY)
     with pytest.raises(RuntimeError, match="reserve 3 per GPU .12 for 4 GPUs."):
         start_local_ray(num_gpus=4, job_dir=tmp_path, num_cpus=8)
     assert not (tmp_path / "ray_auth_token").exists()   # refused before anything was started or written

@@ -5,6 +5,9 @@ workers, and vLLM's sampling seed. On the tiny pair, through the stand-ins of ``
 from __future__ import annotations
 
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import torch
 from test_verl_contract import BENCH_PROBLEMS, prepared, standin_backend, verl_cfg  # noqa: F401 (fixture)
 from verl.utils import hf_tokenizer

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import torch
 from support.mlflow_records import histories, model_runs
 from support.verl_standins import EngineWorkerGroup

@@ -13,6 +13,9 @@ import os
 import shutil
 
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import ray
 import torch
 from conftest import CONF_DIR

@@ -5,6 +5,9 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import torch
 from hydra import compose, initialize_config_dir
 from verl import DataProto

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.optional import RAY, VERL_BACKEND
 
 from graft_exp.backends.verl.ray_slurm import RayCluster, sbatch_script
 
@@ -45,6 +46,7 @@ def test_wait_command_waits_for_every_node():
 
 @pytest.mark.slow   # a process that waits out its timeout
 def test_wait_for_a_head_that_never_answers_fails_saying_so():
+    pytest.importorskip("ray", reason=RAY)
     done = subprocess.run([sys.executable, "-m", "graft_exp.backends.verl.ray_slurm", "--wait-for", "127.0.0.1:9",
                            "--nodes", "1", "--timeout", "2"], capture_output=True, text=True, timeout=120,
                           check=False)
@@ -111,6 +113,7 @@ def test_two_node_ray_cluster_places_the_verl_pools_on_both_nodes(own_slurm, tmp
     models' resource pools are placed, across both nodes, on every GPU of the allocation. Submitted by a
     user whose home holds another cluster's token and whose environment disables Ray's authentication:
     head, worker and driver use the job's own token, and that home is left as it was."""
+    pytest.importorskip("verl", reason=VERL_BACKEND)
     home, foreign = foreign_home(tmp_path)
     for key, value in {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": foreign}.items():
         monkeypatch.setenv(key, value)
@@ -197,6 +200,7 @@ def test_a_jobs_ray_admits_only_its_own_token(tmp_path):
     carry a foreign token and ``RAY_AUTH_MODE=disabled``: the cluster uses the job's own token, 0600 in
     the job's directory; a process without it (no token, or the caller's) is refused, one with it runs a
     task; the caller's ``~/.ray`` is left as it was."""
+    pytest.importorskip("ray", reason=RAY)
     home, foreign = foreign_home(tmp_path)
     job_dir, temp = tmp_path / "run", tempfile.mkdtemp(prefix="graft-ray-", dir="/tmp")
     caller = {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": foreign,
@@ -257,6 +261,7 @@ def test_shared_paths_are_seen_by_every_node(tmp_path, job_ray_auth):
     """``check_shared_paths`` (a several-node job, before its pools start): a marker written by the driver
     is read back by a task on each node of the job's Ray, none is left behind; a model directory a node does
     not have is named in the one-line refusal."""
+    pytest.importorskip("ray", reason=RAY)
     import ray
 
     from graft_exp.backends.verl.ray_slurm import check_shared_paths, start_local_ray

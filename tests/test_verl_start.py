@@ -10,6 +10,9 @@ import shutil
 
 import numpy as np
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import ray
 import torch
 from support.verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV, cpu_replica_class

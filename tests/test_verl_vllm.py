@@ -32,6 +32,9 @@ from typing import ClassVar
 import numpy as np
 import psutil
 import pytest
+from support.optional import VERL_BACKEND
+
+pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
 import ray
 import torch
 from support import verl_cpu

@@ -9,6 +9,11 @@ import pytest
 
 WITHOUT_VERL = ("compares with verl's own implementation, and verl is not installed "
                 "(pip install -e '.[dev]' installs it; it runs on CPU)")
+#: A module of the verl backend's tests starts with ``pytest.importorskip("verl", reason=VERL_BACKEND)``, above its
+#: imports (which import verl).
+VERL_BACKEND = "tests the verl backend, and verl is not installed (pip install -e '.[dev]' installs it; it runs on CPU)"
+#: A test that starts a Ray calls ``pytest.importorskip("ray", reason=RAY)`` first.
+RAY = "starts a Ray, and Ray is not installed (pip install -e '.[dev]' installs it with verl)"
 
 
 def from_verl(module: str) -> ModuleType:
