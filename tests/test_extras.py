@@ -63,6 +63,25 @@ def test_a_missing_optional_dependency_stops_with_the_install_line(feature, args
     assert not [name for name in created if (tmp_path / name).exists()]
 
 
+@pytest.mark.slow   # a pytest session in a process of its own
+def test_without_verl_what_needs_it_skips_saying_why(tmp_path):
+    """The suite in an environment without verl, Ray and vLLM (a plain ``pip install -e .``): a test comparing with
+    verl's functions, a file of the verl backend's tests and a test that starts a Ray skip with their reasons
+    (tests/support/optional.py); the rest of those files runs."""
+    from support.optional import RAY, VERL_BACKEND, WITHOUT_VERL
+    tests = ROOT / "tests"
+    done = run_without(("verl", "ray", "vllm"), [
+        "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}",
+        f"--rootdir={ROOT}", str(tests / "test_algorithms_losses.py"), str(tests / "test_verl_loss.py"),
+        f"{tests / 'test_resources.py'}::test_private_ray_without_the_placement_groups_cpus_is_refused",
+        f"{tests / 'test_resources.py'}::test_checkpoints_hold_what_resuming_needs"], tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    for reason in (WITHOUT_VERL, VERL_BACKEND, RAY):
+        assert reason in output, output[-4000:]
+    assert "passed" in output.splitlines()[-1] and "error" not in output.splitlines()[-1], output[-4000:]
+
+
 @pytest.mark.slow   # python -m graft_exp --help and its completion, each a process
 def test_help_and_completion_offer_only_choosable_options(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
