@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.optional import RAY, VERL_BACKEND, WITHOUT_VERL
 
 from graft_exp.extras import FEATURES
 
@@ -68,7 +69,6 @@ def test_without_verl_what_needs_it_skips_saying_why(tmp_path):
     """The suite in an environment without verl, Ray and vLLM (a plain ``pip install -e .``): a test comparing with
     verl's functions, a file of the verl backend's tests and a test that starts a Ray skip with their reasons
     (tests/support/optional.py); the rest of those files runs."""
-    from support.optional import RAY, VERL_BACKEND, WITHOUT_VERL
     tests = ROOT / "tests"
     done = run_without(("verl", "ray", "vllm"), [
         "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}",

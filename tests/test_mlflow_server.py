@@ -1,7 +1,7 @@
 """A real ``mlflow server`` with basic auth on a real PostgreSQL (``python -m graft_exp.server``):
 4 tiny jobs of one user, 12 runs, write into it at the same time (``cluster=submitit_local tracking=server``,
-twice as many jobs as the CI machine has cores) and every metric of every job is there afterwards; a dead server stops a sweep before anything is
-launched."""
+twice as many jobs as the CI machine has cores) and every metric of every job is there afterwards; a dead
+server stops a sweep before anything is launched."""
 
 import shutil
 import socket

@@ -261,8 +261,7 @@ def test_shared_paths_are_seen_by_every_node(tmp_path, job_ray_auth):
     """``check_shared_paths`` (a several-node job, before its pools start): a marker written by the driver
     is read back by a task on each node of the job's Ray, none is left behind; a model directory a node does
     not have is named in the one-line refusal."""
-    pytest.importorskip("ray", reason=RAY)
-    import ray
+    ray = pytest.importorskip("ray", reason=RAY)
 
     from graft_exp.backends.verl.ray_slurm import check_shared_paths, start_local_ray
 
