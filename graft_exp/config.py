@@ -10,8 +10,10 @@ and raises ``ConfigError`` naming the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,23 @@ MEMBER_KEYS = ("A", "B", "C", "D", "E", "F")
 
 class ConfigError(ValueError):
     """A composed configuration that cannot run; the message says what to change."""
+
+
+#: Field metadata of a setting added after runs were keyed: the value that reproduces the behaviour from before it.
+KEY_NEUTRAL = "graft.key_neutral"
+_REPRODUCES = object()
+
+
+def added_setting(reproduces: Any, *, default: Any = _REPRODUCES, default_factory: Any = None) -> Any:
+    """Declare a setting added after runs were recorded (docs/design.md, "Run keys"): it enters
+    ``graft.run_key`` only when its value differs from ``reproduces``, the value under which a job computes
+    what it computed before the setting existed. Runs already in a store keep their keys; a job that uses
+    the new setting gets a key of its own. ``default`` (or ``default_factory``) is the schema default, as
+    for ``dataclasses.field``; it is ``reproduces`` unless the YAML sets it."""
+    metadata = {KEY_NEUTRAL: reproduces}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=reproduces if default is _REPRODUCES else default, metadata=metadata)
 
 
 @dataclass
@@ -82,7 +101,8 @@ class MethodConfig:
     luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
     source_rule: str = "most_successes"   # a group of K > 2: which of several qualifying sources a receiver takes
     hacpo: HacpoConfig = field(default_factory=HacpoConfig)
-    params: dict[str, Any] = field(default_factory=dict)   # settings of rules registered with params=(...)
+    # Settings of rules registered with params=(...); a method without them keys as before params existed.
+    params: dict[str, Any] = added_setting({}, default_factory=dict)
 
 
 @dataclass
@@ -111,8 +131,8 @@ class TrainConfig:
     ppo_epochs: int = MISSING
     total_epochs: int = MISSING
     max_steps: int | None = None   # null: total_epochs over the training split
-    max_gpu_hours: float | None = None   # stop once the job's cost/gpu_hours reaches it (equal compute)
-    gpu_hours_of: str | None = None      # a run key: max_gpu_hours = that finished job's cost/gpu_hours
+    max_gpu_hours: float | None = added_setting(None)   # stop once the job's cost/gpu_hours reaches it
+    gpu_hours_of: str | None = added_setting(None)      # a run key: max_gpu_hours = that job's cost/gpu_hours
     optimizer: str = MISSING
     lr: float = MISSING
     lr_warmup_steps: int = MISSING
@@ -192,6 +212,33 @@ class RootConfig:
     models: Any = MISSING
     train: TrainConfig = MISSING
     eval: EvalConfig = MISSING
+
+
+#: The schema of each group whose type the root leaves open (``Any``), by the name its config selects.
+GROUP_SCHEMAS = {"method": lambda name: MethodConfig,
+                 "backend": lambda name: {"local": LocalBackendConfig, "verl": VerlBackendConfig}.get(name)}
+
+
+def key_neutral_settings(resolved: dict) -> dict[tuple[str, ...], Any]:
+    """Every setting declared with ``added_setting`` that ``resolved`` (a resolved config) holds, by its path,
+    with the value that reproduces the behaviour from before it existed (``tracking.identity`` drops it
+    from the run key at that value)."""
+    found: dict[tuple[str, ...], Any] = {}
+
+    def walk(schema, node: dict, path: tuple[str, ...]) -> None:
+        types = typing.get_type_hints(schema)
+        for f in dataclasses.fields(schema):
+            if KEY_NEUTRAL in f.metadata:
+                found[path + (f.name,)] = f.metadata[KEY_NEUTRAL]
+            child = node.get(f.name)
+            if not isinstance(child, dict):
+                continue
+            nested = GROUP_SCHEMAS[f.name](child.get("name")) if f.name in GROUP_SCHEMAS else types[f.name]
+            if dataclasses.is_dataclass(nested):
+                walk(nested, child, path + (f.name,))
+
+    walk(RootConfig, resolved, ())
+    return found
 
 
 def register_schemas() -> None:

@@ -32,6 +32,8 @@ JOB_TAGS = {
     "graft.log": "at creation and on every resume, when the launcher names a log file",
     "graft.budget_gpu_hours": "at creation, with an equal-compute budget (train.max_gpu_hours or gpu_hours_of)",
     "graft.last_step": "when training ends: the last trained step (below train.max_steps when the budget ran out)",
+    "graft.run_key_before": "by python -m graft_exp.rekey, when it changed graft.run_key: the key it replaced",
+    "graft.prompt_date": "at creation: the date chat templates that read the clock render (kept on resume)",
     **ENV_TAGS,
 }
 #: Tags of a model run (child of the job run, one per trained model).
@@ -45,6 +47,7 @@ MODEL_TAGS = {
     "graft.log": "as the job run's",
     "graft.best_step": "when training ends: the selected (trained) checkpoint's step",
     "graft.data_order": "at creation: hash of what fixes each step's prompts (a graft_stored replay must match)",
+    "graft.run_key_before": "as the job run's",
 }
 #: Metrics of a job run, step = training step.
 JOB_METRICS = {
@@ -74,6 +77,7 @@ GPU_HOURS = "cost/gpu_hours"
 TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
 BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
+RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, LAST_STEP = "graft.budget_gpu_hours", "graft.last_step"

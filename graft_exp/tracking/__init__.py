@@ -17,7 +17,15 @@ description, and each model run its training and benchmark data as dataset input
 """
 
 from graft_exp.tracking.datasets import dataset_inputs, log_dataset_inputs
-from graft_exp.tracking.identity import flatten, git_sha, identity, model_run_key, run_key, source_tags
+from graft_exp.tracking.identity import (
+    flatten,
+    git_sha,
+    identity,
+    model_run_key,
+    resolved_config,
+    run_key,
+    source_tags,
+)
 from graft_exp.tracking.runs import (
     DESCRIPTION_TAG,
     PARENT_TAG,
@@ -87,6 +95,7 @@ __all__ = [
     "open_job",
     "open_model_run",
     "replayed_method",
+    "resolved_config",
     "run_key",
     "run_params",
     "source_tags",

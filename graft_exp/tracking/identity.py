@@ -4,6 +4,7 @@ flattened config as params, and the code version (git commit, MLflow source tags
 
 from __future__ import annotations
 
+import copy
 import getpass
 import hashlib
 import json
@@ -13,12 +14,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import scheduler
+from graft_exp.config import MEMBER_KEYS, key_neutral_settings
 
 # Config sections that say where or how a job runs, not what it computes.
 NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra")
-#: The catalog fields (conf/catalog/models.yaml) that say which model is trained; the others describe it
-#: (sizes, positions) for checks and plans, and adding one must not change every run key.
-CATALOG_IDENTITY_FIELDS = ("hf_id", "display")
+#: The catalog field (conf/catalog/models.yaml) that says which weights a model starts from; the others describe
+#: it (display name, sizes, positions) for tables, checks and plans.
+CATALOG_IDENTITY_FIELDS = ("hf_id",)
 
 
 def stable_hash(obj) -> str:
@@ -27,33 +29,47 @@ def stable_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def identity(cfg: DictConfig) -> dict:
-    """The resolved config minus the keys that do not change what a job computes."""
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    ident = {k: v for k, v in resolved.items() if k not in NON_IDENTITY_KEYS}
-    if not ident.get("method", {}).get("params", True):
-        # A method without rule parameters keeps the key it had before ``method.params`` existed, so the
-        # runs already in a store stay findable (resumption, replayed logs, equal-compute references).
-        ident["method"] = {k: v for k, v in ident["method"].items() if k != "params"}
-    if "models" in ident:
-        ident["models"] = {key: {f: entry[f] for f in CATALOG_IDENTITY_FIELDS if f in entry}
-                           for key, entry in ident["models"].items()}
+def resolved_config(cfg: DictConfig | dict) -> dict:
+    """``cfg`` as plain containers, interpolations resolved (a dict, e.g. a run's logged config.yaml, as it is)."""
+    return cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+
+
+def identity(cfg: DictConfig | dict, models: list[str] | None = None) -> dict:
+    """What a job computes, the rule of docs/design.md ("Run keys"): the resolved config without the keys that
+    say where or how it runs (``NON_IDENTITY_KEYS``), the catalog entries of its own models only (``models``,
+    default the pair's or group's members), and without every setting declared with
+    ``config.added_setting`` whose value is the one that reproduces the behaviour from before it existed.
+    ``cfg`` is a composed config or a resolved one (a run's logged config.yaml)."""
+    resolved = resolved_config(cfg)
+    ident = copy.deepcopy({k: v for k, v in resolved.items() if k not in NON_IDENTITY_KEYS})
+    for path, neutral in key_neutral_settings(resolved).items():
+        *parents, name = path
+        node = ident
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and name in node and node[name] == neutral:
+            del node[name]
+    members = models if models is not None else [resolved["pair"][r] for r in MEMBER_KEYS if resolved["pair"].get(r)]
+    catalog = resolved.get("models") or {}
+    ident["models"] = {key: {f: catalog.get(key, {}).get(f) for f in CATALOG_IDENTITY_FIELDS} for key in members}
     return ident
 
 
-def run_key(cfg: DictConfig) -> str:
-    """``graft.run_key`` of a job: stable hash of its identity config."""
+def run_key(cfg: DictConfig | dict) -> str:
+    """``graft.run_key`` of a job: stable hash of its identity."""
     return stable_hash(identity(cfg))
 
 
-def model_run_key(cfg: DictConfig, role: str) -> str:
-    """Identity of one trained model. Single-model methods leave out the pair and the peer, so a
-    GRPO baseline of (model, method, seed) is one run whichever pair launches it."""
-    ident = identity(cfg)
-    if cfg.method.co_train:
-        return stable_hash({"job": ident, "role": role})
+def model_run_key(cfg: DictConfig | dict, role: str) -> str:
+    """Identity of one trained model. Single-model methods leave out the pair, the peer and their catalog
+    entries, so a GRPO baseline of (model, method, seed) is one run whichever pair launches it."""
+    resolved = resolved_config(cfg)
+    if resolved["method"]["co_train"]:
+        return stable_hash({"job": identity(resolved), "role": role})
+    model = resolved["pair"][role]
+    ident = identity(resolved, models=[model])
     ident.pop("pair")
-    ident["model"] = cfg.pair[role]
+    ident["model"] = model
     return stable_hash(ident)
 
 

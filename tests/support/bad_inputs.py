@@ -125,6 +125,10 @@ CASES = [
     Case("sweep output into a file", ("sweep.yaml", "--out", "store.db"), "--out store.db: ",
          module="graft_exp.sweep", files={"sweep.yaml": SWEEP_TEXT}),
     Case("tiny models built into a file", ("build", "--out", "store.db"), "--out store.db: ", module="graft_exp.tiny"),
+    Case("re-key of a store that is not there", ("--tracking-uri", "sqlite:///old.db"),
+         "sqlite:///old.db does not exist; give the store to re-key", module="graft_exp.rekey"),
+    Case("re-key of a server that does not answer", ("--tracking-uri", "http://127.0.0.1:9"),
+         "the MLflow tracking server http://127.0.0.1:9 does not answer", module="graft_exp.rekey"),
 ]
 
 
