@@ -604,12 +604,35 @@ def available_devices(cfg: DictConfig) -> None:
                           "cluster=slurm ...), or set backend.ray_address to a Ray cluster with the GPUs")
 
 
+def prepared_models(cfg: DictConfig) -> None:
+    """backend=verl prompts each prepared model (``backend.model_dir/<key>``) through a chat template that ends
+    turns on a stop id (``prompts.check_prompting``); a model fetched from the hub is checked where it runs."""
+    if cfg.backend.name != "verl":
+        return
+    from transformers import AutoTokenizer
+
+    from graft_exp.prompts import check_prompting
+
+    custom = OmegaConf.from_dotlist([str(o) for o in cfg.backend.verl_overrides])
+    template = OmegaConf.select(custom, "actor_rollout_ref.model.custom_chat_template", default=None)
+    for role in roles(cfg.pair):
+        key = cfg.pair[role]
+        local = Path(cfg.backend.model_dir) / key
+        if not local.is_dir():
+            continue
+        try:
+            check_prompting(AutoTokenizer.from_pretrained(local), f"models.{key} ({local})", template)
+        except (OSError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+
+
 def validate_environment(cfg: DictConfig) -> None:
     """What a valid config needs of the machine it runs on: the backend's packages, its devices, its
-    prepared data, a writable checkpoint root. Reads only; nothing is created."""
+    prepared data and models, a writable checkpoint root. Reads only; nothing is created."""
     backend_installed(cfg.backend.name)
     available_devices(cfg)
     prepared_data(cfg)
+    prepared_models(cfg)
     validate_checkpoint_root(str(cfg.checkpoint_root))
     try:
         scheduler.job_cores()   # the local backend's concurrent models read it

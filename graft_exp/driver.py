@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import methods, reward, schema, tracking
+from graft_exp import methods, prompts, reward, schema, tracking
 from graft_exp.algorithms import (
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
@@ -133,6 +133,8 @@ class Driver:
         self.root = run_directory(cfg)
         if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
             shutil.rmtree(self.root, ignore_errors=True)
+        # Chat templates that write today's date render this one in every process, however long the job runs.
+        job.set_tags({schema.PROMPT_DATE: prompts.job_prompt_date(self.root).isoformat()})
         members = roles(cfg.pair)
         stored = {}
         if self.method.replays_stored_log:   # a pair: each role replays its one peer's log

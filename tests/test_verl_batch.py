@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from test_exchange import plan_pair
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import AddedToken, GenerationConfig, PreTrainedTokenizerFast
 from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -27,6 +27,7 @@ from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.exchange import PEER, Rollouts, assemble, select_prompts
 from graft_exp.methods import resolve
+from graft_exp.prompts import end_of_turn_id
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
           "We add the numbers: 12 + 30 = 42, so the answer is \\boxed{42}.", "Compute 7 * 6 and 99 - 3."]
@@ -354,16 +355,18 @@ def test_base_model_stops_at_its_chat_templates_end_of_turn(bpe_tokenizer):
     template's <|eot_id|> likewise. A tokenizer without a template keeps its EOS alone."""
     im_end, endoftext = bpe_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     base_config = GenerationConfig(eos_token_id=endoftext)
-    assert vb.end_of_turn_id(bpe_tokenizer) == im_end
+    assert end_of_turn_id(bpe_tokenizer) == im_end
     assert vb.stop_token_ids(bpe_tokenizer, base_config) == [im_end, endoftext]
-    llama3 = copy.deepcopy(bpe_tokenizer)
-    llama3.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    llama3 = copy.deepcopy(bpe_tokenizer)   # as Llama 3.x tokenizers: special in the added-token table only
+    llama3.add_tokens([AddedToken(t, special=True, normalized=False)
+                       for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")])
+    assert llama3.convert_tokens_to_ids("<|eot_id|>") not in llama3.all_special_ids
     llama3.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                             "{{ m['content'] }}<|eot_id|>{% endfor %}")
     assert vb.stop_token_ids(llama3, base_config) == [llama3.convert_tokens_to_ids("<|eot_id|>"), endoftext]
     plain = copy.deepcopy(bpe_tokenizer)
     plain.chat_template = None
-    assert vb.end_of_turn_id(plain) is None and vb.stop_token_ids(plain, base_config) == [endoftext]
+    assert end_of_turn_id(plain) is None and vb.stop_token_ids(plain, base_config) == [endoftext]
 
 
 def test_tiny_pair_stop_tokens_from_their_assets():

@@ -20,6 +20,7 @@ with ``set_loss_fn``.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import shutil
 from pathlib import Path
@@ -52,7 +53,11 @@ DP_SIZE = 2
 TRAIN_PROBLEMS, BENCH_PROBLEMS = 64, 2
 #: The tiny models are base models conditioned on ``tiny.models.model_input(prompt)``: the prompt, then a
 #: newline. As a chat template (which verl's agent loop applies to the dataset's messages):
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
+#: It reads the clock without writing the date (the tiny format has none), so that the date pin of templates that
+#: do (``prompts.pin_template_date``, SmolLM3's and Llama 3.x's) runs in every verl tier, verl's agent-loop
+#: workers included, without changing a tiny prompt.
+CHAT_TEMPLATE = ("{%- set today = strftime_now('%d %B %Y') -%}"
+                 "{% for message in messages %}{{ message['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}")
 SMALL = ["train.batch_prompts=8", "train.minibatch_prompts=4", "method.hacpo.minibatch_prompts=4",
          "train.max_steps=2", "train.save_every=1", "train.max_prompt_length=128", "train.max_response_length=48",
@@ -314,6 +319,14 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
             assert calls["wake_up_replicas"] >= 1 and calls["update_weights"] <= model.wg.calls["update_actor"] + 3
     for model in second.models.values():
         assert model.wg.calls["load_checkpoint"] >= 1           # the resume read verl's checkpoint
+    # The template reads the clock: both processes' workers render the job's date, the one its first start kept.
+    date = (run_dir / "prompt_date").read_text()
+    assert resumed.client.get_run(job.run_id).data.tags["graft.prompt_date"] == date
+    for backend in backends:
+        for model in backend.models.values():
+            pinned = model.config.actor_rollout_ref.model.custom_chat_template
+            assert pinned.startswith("{%- macro strftime_now(format)") and pinned.endswith(CHAT_TEMPLATE)
+            assert datetime.date.fromisoformat(date).strftime("%d %B %Y") in pinned
     if method == "hacpo":                                       # its KL term's reference pass
         assert all(m.wg.calls.get("compute_ref_log_prob", 0) >= 1 for b in backends for m in b.models.values())
     # verl's agent loop rendered each dataset prompt with the model's chat template: the tiny prompt format

@@ -34,6 +34,7 @@ from graft_exp.contract import Generation, Sampled
 from graft_exp.exchange import ReceiverBatch, Scorer
 from graft_exp.methods import Method
 from graft_exp.objective import COUNT_METRICS
+from graft_exp.prompts import job_prompt_date, pin_template_date, reads_the_clock
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
@@ -134,9 +135,13 @@ class VerlBackend:
         steps = total_steps(self.cfg, len(self._problems))
         self.models = {role: VerlModel(role, verl_config(self.cfg, role, str(self.dir / role), training_steps=steps),
                                        self.method.loss) for role in self.roles}
+        prompt_date = job_prompt_date(self.dir)
         for model in self.models.values():
             path = model.config.actor_rollout_ref.model.path
             rendering = hf_tokenizer(path)
+            template = model.config.actor_rollout_ref.model.get("custom_chat_template") or rendering.chat_template
+            if reads_the_clock(template):   # verl's agent-loop workers render the job's date, not their day's
+                model.config.actor_rollout_ref.model.custom_chat_template = pin_template_date(template, prompt_date)
             if model.config.actor_rollout_ref.model.get("custom_chat_template"):   # as verl's agent loop applies it
                 rendering.chat_template = model.config.actor_rollout_ref.model.custom_chat_template
             for dataset in (self.train_set, self.val_set):

@@ -35,6 +35,7 @@ from graft_exp.backends.verl.loss import (
     WEIGHT,
 )
 from graft_exp.exchange import PEER, SELF, ReceiverBatch, Rollouts, Row
+from graft_exp.prompts import end_of_turn_id
 
 #: Non-tensor columns of peer and receiver rows: the prompt's index in the step's batch, the response's
 #: index in its generating model's group, and the exchange's group of the row (``Row.group``: the unit
@@ -86,28 +87,8 @@ def row_tokens(batch: DataProto, row: int) -> tuple[list[int], list[int]]:
     return prompt, response
 
 
-#: An assistant message no chat template alters, to find what the template writes after it.
-_TURN_PROBE = "GRAFT_END_OF_TURN_PROBE"
-
-
-def end_of_turn_id(tokenizer) -> int | None:
-    """The special token the tokenizer's chat template closes an assistant turn with (ChatML's ``<|im_end|>``,
-    Llama 3's ``<|eot_id|>``), or None (no template, or nothing special after the turn). A base model's
-    generation config names only its end-of-text token (Qwen3-1.7B-Base: ``<|endoftext|>``), yet prompted
-    through the template it ends its answer with the template's end-of-turn token and, not stopped there,
-    writes the next user turn itself."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"},
-                                          {"role": "assistant", "content": _TURN_PROBE}], tokenize=False)
-    after = text.rsplit(_TURN_PROBE, 1)[-1]
-    ids = tokenizer.encode(after, add_special_tokens=False) if after else []
-    first = next((i for i in ids if tokenizer.decode([i]).strip()), None)
-    return first if first is not None and first in tokenizer.all_special_ids else None
-
-
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """The ids a model stops generating on: the chat template's end-of-turn token (``end_of_turn_id``), its
+    """The ids a model stops generating on: the chat template's end-of-turn token (``prompts.end_of_turn_id``), its
     generation config's ``eos_token_id`` (an int or a list; chat models list their end-of-turn token, e.g.
     ``<|im_end|>``, before ``<|endoftext|>``), then the tokenizer's EOS if it is not among them. vLLM gets the
     same set with every request (``seeded_agent.STOP_COLUMN``). The first id is the one a peer copy of a

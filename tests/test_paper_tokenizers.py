@@ -1,0 +1,155 @@
+"""The paper models at their seams, on their real vocabularies built offline (tests/support/paper_tokenizers.py):
+stop tokens (docs/verl.md's table), the end of turn a Llama 3 tokenizer marks special only in its added-token
+table, chat templates refused before a job starts, prompts pinned to the job's date, and peer responses
+re-tokenized between the Qwen and Llama 3 vocabularies on real solutions."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+from support.paper_tokenizers import DATA, SNAPSHOTS, build, why_unavailable
+from transformers import GenerationConfig
+
+from graft_exp import prompts
+from graft_exp.cache import cache_dir
+from graft_exp.reward import reward
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(why_unavailable() is not None, reason=str(why_unavailable()))]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """Each snapshot's tokenizer (built once per machine: a few seconds per vocabulary)."""
+    return {key: build(key, cache_dir("paper_tokenizers")) for key in SNAPSHOTS}
+
+
+def with_template(tokenizer, name: str):
+    """A copy of ``tokenizer`` with the chat template ``name`` of tests/data/paper_tokenizers."""
+    clone = copy.deepcopy(tokenizer)
+    clone.chat_template = (DATA / name).read_text()
+    return clone
+
+
+def stop_table() -> list[dict[str, str]]:
+    """docs/verl.md's table of the paper models' stop tokens, a dict per row."""
+    text = (ROOT / "docs" / "verl.md").read_text()
+    section = text[text.index("**Stop tokens of the paper models.**"):].splitlines()
+    start = next(i for i, line in enumerate(section) if line.startswith("|"))
+    end = next(i for i in range(start, len(section)) if not section[i].startswith("|"))
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))] for line in section[start:end]]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]
+
+
+def ids(cell: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\b\d{3,}\b", cell)]
+
+
+def test_the_docs_stop_token_table_is_what_the_real_tokenizers_give(tokenizers):
+    from graft_exp.backends.verl import batch as vb
+
+    rows = stop_table()
+    assert len(rows) == 4, rows
+    for row in rows:
+        key = row["model"].split(" + ")[0]
+        tokenizer = tokenizers[key]
+        if "+" in row["model"]:   # the Base vocabulary prompted with Llama 3.2 Instruct's template
+            tokenizer = with_template(tokenizer, "llama-3.2-instruct.jinja")
+        config = GenerationConfig(eos_token_id=SNAPSHOTS[key].generation_eos)
+        eot = prompts.end_of_turn_id(tokenizer)
+        assert (ids(row["end of turn"]) or [None]) == [eot], row
+        assert vb.stop_token_ids(tokenizer, config) == ids(row["stop ids"]), row
+        assert [tokenizer.eos_token_id, SNAPSHOTS[key].generation_eos] == ids(row["eos (tokenizer / generation config)"])
+        assert [SNAPSHOTS[key].vocab_size, len(tokenizer)] == ids(row["vocab (config / tokenizer)"]), row
+        assert (row["chat template"] == "none") == (tokenizer.chat_template is None), row
+
+
+def test_llama3_end_of_turn_is_found_in_the_added_token_table(tokenizers):
+    """Llama 3.x tokenizers mark <|eot_id|> special only in added_tokens_decoder: the named special tokens
+    (which the end of turn used to be looked up in) miss it, and vLLM would write on past the answer."""
+    from graft_exp.backends.verl import batch as vb
+
+    llama = with_template(tokenizers["octothinker-3b-hybrid-base"], "llama-3.2-instruct.jinja")
+    eot = llama.convert_tokens_to_ids("<|eot_id|>")
+    assert eot == 128009 and eot not in llama.all_special_ids and llama.added_tokens_decoder[eot].special
+    assert prompts.end_of_turn_id(llama) == eot
+    assert vb.stop_token_ids(llama, GenerationConfig(eos_token_id=128001)) == [128009, 128001]
+
+
+def test_a_model_that_cannot_be_prompted_or_stopped_is_refused(tokenizers):
+    octo = tokenizers["octothinker-3b-hybrid-base"]
+    with pytest.raises(ValueError, match="has no chat template, and verl's agent loop renders every prompt"):
+        prompts.check_prompting(octo, "models.octothinker-3b-hybrid-base")
+    prompts.check_prompting(tokenizers["qwen3-1.7b-base"], "models.qwen3-1.7b-base")
+    plain_end = "{% for m in messages %}{{ m['content'] }}END{% endfor %}"   # a turn closed by plain text
+    with pytest.raises(ValueError, match="closes an assistant turn with 'END', which is no special token"):
+        prompts.check_prompting(octo, "models.octothinker-3b-hybrid-base", plain_end)
+
+
+def test_a_template_that_reads_the_clock_renders_the_jobs_date_on_any_day(tokenizers, monkeypatch, tmp_path):
+    """Llama 3.2 Instruct's template writes "Today Date" from the clock: pinned, two renders on two different
+    days give the same prompt tokens (unpinned, they differ); the job's date is kept in its directory."""
+    import transformers.utils.chat_template_utils as chat
+
+    llama = with_template(tokenizers["octothinker-3b-hybrid-base"], "llama-3.2-instruct.jinja")
+    assert prompts.reads_the_clock(llama.chat_template)
+    day = prompts.job_prompt_date(tmp_path / "job")
+    assert prompts.job_prompt_date(tmp_path / "job") == day   # a resumed job keeps its date
+    pinned = prompts.pin_template_date(llama.chat_template, datetime.date(2026, 11, 27))
+    messages = [{"role": "user", "content": "What is $1+1$? " + prompts.SUFFIX}]
+
+    def render(on: datetime.datetime, template: str) -> list[int]:
+        class Clock(datetime.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return on
+        monkeypatch.setattr(chat, "datetime", Clock)
+        return list(llama.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+    before, after = datetime.datetime(2026, 11, 27, 23, 59), datetime.datetime(2026, 12, 28, 0, 1)
+    assert render(before, llama.chat_template) != render(after, llama.chat_template)
+    assert render(before, pinned) == render(after, pinned)
+    assert "Today Date: 27 Nov 2026" in llama.decode(render(after, pinned))
+
+
+def real_solutions(count: int) -> list[tuple[str, str]]:
+    """(correct solution, gold) pairs of real model outputs for MATH problems (tests/data)."""
+    found = []
+    with gzip.open(ROOT / "tests" / "data" / "math_labelled_solutions.jsonl.gz", "rt") as f:
+        for line in f:
+            record = json.loads(line)
+            for text, label in zip(record["responses"], record["labels"]):
+                if label:
+                    found.append((text, record["answer"]))
+                    break
+            if len(found) == count:
+                break
+    return found
+
+
+@pytest.mark.parametrize("donor,receiver", [("qwen3-1.7b-base", "octothinker-3b-hybrid-base"),
+                                            ("octothinker-3b-hybrid-base", "qwen3-1.7b-base")])
+def test_peer_responses_cross_the_real_vocabularies(tokenizers, donor, receiver):
+    """Real solutions (LaTeX, \\boxed{}, digits, whitespace) as a donor's finished responses, re-tokenized for the
+    receiver: its tokens decode to the donor's text, end with its stop id, and score the donor's reward."""
+    from graft_exp.backends.verl import batch as vb
+
+    src, dst = tokenizers[donor], tokenizers[receiver]
+    stop = vb.stop_token_ids(dst, GenerationConfig(eos_token_id=SNAPSHOTS[receiver].generation_eos))[0]
+    for text, gold in real_solutions(12):
+        donor_text = src.decode(src.encode(text, add_special_tokens=False))
+        assert donor_text == text
+        ids = vb.retokenize(donor_text, dst, finished=True, max_length=8192, stop_id=stop)
+        assert ids[-1] == stop and dst.decode(ids[:-1]) == text
+        assert reward(dst.decode(ids, skip_special_tokens=True), gold) == reward(text, gold) == 1.0
+    # the vocabularies split numbers differently: one digit a piece (Qwen), up to three (Llama 3)
+    qwen, llama = tokenizers["qwen3-1.7b-base"], tokenizers["octothinker-3b-hybrid-base"]
+    assert len(qwen.tokenize("2026")) == 4 and len(llama.tokenize("2026")) == 2
