@@ -67,6 +67,11 @@ class Backend(Protocol):
     def devices(self, role: str) -> int:
         """The devices (GPUs; a CPU counts as one) model ``role`` holds while it works."""
 
+    def prompting(self, role: str) -> dict[str, str]:
+        """How model ``role`` is prompted and stopped, recorded on its run when the job starts: ``stop_ids``
+        (comma-separated, the order the model stops on them) and ``rendered_prompt`` (the first training problem
+        as the model receives it: chat template, pinned date, suffix)."""
+
     def sample(self, role: str, problems: list, n: int, seed: int, step: int) -> Generation:
         """n responses per problem at the training temperature (``step``: the weights' version)."""
 

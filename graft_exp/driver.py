@@ -149,6 +149,11 @@ class Driver:
         self.members = {role: Member(role, str(cfg.pair[role]), runs[role], stored_peer=stored.get(role))
                         for role in needed}
         self.backend: Backend = backend_factory(cfg, self.method, needed, self.root) if needed else None
+        for role, member in self.members.items():   # what a rollout of each model starts from and stops on
+            if member.run is not None:
+                shown = self.backend.prompting(role)
+                member.run.set_tags({schema.STOP_IDS: shown["stop_ids"],
+                                     schema.RENDERED_PROMPT: shown["rendered_prompt"][:5000]})
         self.job_device_seconds = 0.0
         self.budget_hours = tracking.gpu_hours_budget(cfg, job.client)   # equal compute (None: steps alone)
         self.start_step = 1

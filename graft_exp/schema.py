@@ -48,6 +48,8 @@ MODEL_TAGS = {
     "graft.best_step": "when training ends: the selected (trained) checkpoint's step",
     "graft.data_order": "at creation: hash of what fixes each step's prompts (a graft_stored replay must match)",
     "graft.run_key_before": "as the job run's",
+    "graft.stop_ids": "at the job's start: the token ids the model's rollouts stop on, in order (end of turn first)",
+    "graft.rendered_prompt": "at the job's start: the first training problem as the model receives it (5000 chars at most)",
 }
 #: Metrics of a job run, step = training step.
 JOB_METRICS = {
@@ -78,6 +80,7 @@ TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' t
 BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
 RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
+STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, LAST_STEP = "graft.budget_gpu_hours", "graft.last_step"

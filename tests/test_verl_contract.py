@@ -351,6 +351,9 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         assert all(schema.known_tag(k) for k in tags if k.startswith("graft.")), sorted(tags)
         assert tags["graft.backend"] == "verl" and tags["graft.method"] == method
         assert int(tags["graft.best_step"]) in (1, 2)                # a trained step, never step 0
+        model = second.models[role]   # how the model was prompted and stopped, as recorded at the start
+        assert tags["graft.stop_ids"] == ",".join(str(i) for i in model.stop_ids)
+        assert tags["graft.rendered_prompt"] in texts                # the tiny prompt format, date pinned
         metrics = histories(client, run.info.run_id)
         assert all(schema.known_metric(k, "model") for k in metrics), sorted(metrics)
         for key in ("train/reward_mean", "train/loss", "train/clipfrac_self", "cost/gpu_hours"):

@@ -98,6 +98,9 @@ class LocalBackend:
     def devices(self, role: str) -> int:
         return self.gpus
 
+    def prompting(self, role: str) -> dict[str, str]:
+        return {"stop_ids": str(self.policies[role].eos), "rendered_prompt": tiny.model_input(self._problems[0].prompt)}
+
     def prompt_ids(self, role: str, problems: list[Problem]) -> list[list[int]]:
         return [self.policies[role].encode_prompt(tiny.model_input(p.prompt)) for p in problems]
 

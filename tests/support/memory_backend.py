@@ -115,6 +115,9 @@ class MemoryBackend:
         counts[f"{kind}_peer"] = float(sum(r.origin == PEER for r in rows))
         return {"loss": -self.state[role], **counts}
 
+    def prompting(self, role: str) -> dict[str, str]:
+        return {"stop_ids": "0", "rendered_prompt": PROBLEMS[0].prompt}
+
     def generate(self, role: str, step: int):
         def generate(prompts: list[str], k: int, temperature: float, top_p: float, seed: int) -> list[list[str]]:
             rng = random.Random(seed)

@@ -157,6 +157,15 @@ class VerlBackend:
     def devices(self, role: str) -> int:
         return self.models[role].gpus
 
+    def prompting(self, role: str) -> dict[str, str]:
+        model = self.models[role]
+        messages = list(self.train_set.dataframe[self.train_set.prompt_key][0])
+        rendered = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False,
+            chat_template=model.config.actor_rollout_ref.model.get("custom_chat_template"),
+            **(model.config.data.get("apply_chat_template_kwargs") or {}))
+        return {"stop_ids": ",".join(str(i) for i in model.stop_ids), "rendered_prompt": rendered}
+
     # ------------------------------------------------------------------ rollouts and scoring
     def prompt_batch(self, dataset: RLHFDataset, rows: list[int]) -> DataProto:
         return DataProto.from_single_dict(collate_fn([dataset[i] for i in rows]))
