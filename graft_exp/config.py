@@ -193,6 +193,7 @@ class VerlBackendConfig:
     nnodes: int = 1
     verl_overrides: list[str] = field(default_factory=list)
     progress: bool = True
+    seeded_requests: bool = added_setting(True)   # a vLLM seed per rollout request (backends/verl/seeded_agent.py)
 
 
 @dataclass

@@ -39,13 +39,14 @@ def format_plan(plan: resources.Plan, cfg: DictConfig) -> str:
             lines.append(f"  {p.role} {p.model:<28} {p.gpus_per_node} GPUs/node x {p.nnodes}, rollout_tp {p.rollout_tp}, "
                          f"{p.replicas} vLLM replica{'s' * (p.replicas > 1)}")
         lines.append("GPU memory per GPU (GB): params + grads + AdamW (fp32, FSDP-sharded), activations, vLLM's share; "
-                     "rollout = FSDP + vLLM + reserve, train = FSDP + activations + reserve")
+                     "rollout = FSDP + vLLM + reserve, train = FSDP + activations + allocator headroom + reserve")
         for p in plan.pools:
             m = p.gpu_mem_gb
             vllm = f"{m.vllm_fraction:g} of GPU" + (f" = {m.vllm}" if m.vllm is not None else "")
             size = f"{m.gpu:g} GB GPU" if m.gpu is not None else "GPU size not given (cluster.gpu_mem_gb)"
             rollout = "?" if m.rollout is None else f"{m.rollout}"
-            lines.append(f"  {p.role} {m.params} + {m.grads} + {m.optimizer}, activations {m.activations}, vLLM {vllm}; "
+            lines.append(f"  {p.role} {m.params} + {m.grads} + {m.optimizer}, activations {m.activations} + "
+                         f"{m.headroom}, vLLM {vllm}; "
                          f"rollout {rollout}, train {m.train} of {size}")
         lines.append(f"host per node: {plan.cpus} CPUs ({plan.ray_cpus} in verl's placement groups, 3 per GPU), "
                      f"{plan.host_mem_gb} GB memory")

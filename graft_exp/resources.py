@@ -10,9 +10,18 @@ Sizes are GiB (2**30 bytes), written "GB" as Slurm and nvidia-smi do. Where a nu
 than a count, its docstring says what it leaves out. What verl 0.9.1 does that the numbers follow:
 
 - FSDP keeps fp32 master parameters (``fsdp_config.model_dtype: fp32``), fp32 gradients and AdamW's two
-  fp32 moments, sharded over the pool's ranks: 16 bytes per parameter, divided by the pool's GPUs. The
-  gradients stay allocated after the optimizer step until the next ``zero_grad``, and AdamW's moments exist
-  from the first step on, so both are resident while vLLM is awake from the second step on.
+  fp32 moments, sharded over the pool's ranks: 16 bytes per parameter, divided by the pool's GPUs. verl frees
+  the gradients after each ``train_batch`` (``zero_grad``), yet measured after a step on an H200 (world size 1)
+  23.9 GiB stayed resident for Qwen3-1.7B and 38.3 for SmolLM3-3B: above parameters and AdamW's moments (19.2,
+  34.4), below the full state (25.6, 45.9). The plan counts the full state while vLLM is awake from the second
+  step on, the bound the measurement stays under.
+- PyTorch's caching allocator reserves more than the peak it allocates: measured over one training step at the
+  plan's micro-batch, 0.85x (Qwen3-1.7B) and 0.92x (SmolLM3-3B) of the activation term above the allocated peak
+  (8.5-9.4 GiB; 44.3/61.6 GiB reserved with expandable segments, 45.2/62.1 without). The plan counts the larger,
+  ``ALLOCATOR_HEADROOM`` x activations, on top of ``GPU_RESERVE_GB`` for what the allocator does not see (the two
+  CUDA contexts per GPU, NCCL's buffers).
+- HACPO's KL term (``method.hacpo.kl_coef > 0``) starts a reference model in every pool: a second FSDP engine whose
+  fp32 parameters are offloaded to host memory (``ref.fsdp_config.param_offload``), loaded like the actor.
 - vLLM takes ``gpu_memory_utilization`` of the *whole* GPU when it wakes (weights, KV cache, activations),
   whatever FSDP already holds on it.
 - Placement groups reserve ``ResourcePoolManager.max_colocate_count`` = 3 Ray CPUs with each GPU.
@@ -47,9 +56,18 @@ CONTENT_BYTES = {"model": 4, "optimizer": 8, "extra": 0, "hf_model": 2}
 
 #: verl's Ray CPUs reserved with each GPU of a placement group.
 RAY_CPUS_PER_GPU = 3
-#: GPU memory neither FSDP nor vLLM's share accounts for: two CUDA contexts per GPU (the FSDP worker and the
-#: vLLM engine), NCCL buffers and allocator fragmentation.
+#: GPU memory neither FSDP nor vLLM's share accounts for and torch's allocator does not see: two CUDA contexts per
+#: GPU (the FSDP worker and the vLLM engine) and NCCL buffers.
 GPU_RESERVE_GB = 3.0
+#: The caching allocator's reserve above the allocated peak of a training step, per GB of the activation term
+#: (the larger of the two measured on an H200; see the module docstring).
+ALLOCATOR_HEADROOM = 0.92
+#: Bytes per (token, vocabulary entry) of the log-prob pass verl 0.9.1 runs without flash-attn (row-wise
+#: ``logprobs_from_logits_v2``): the bf16 logits kept for the backward pass and their bf16 gradient. Measured at
+#: 16,384 tokens: 10.2 GiB of activations for Qwen3-1.7B against this term's 11.0 (a full fp32 log-softmax took
+#: 19-29 GiB). flash-attn's cross-entropy, where installed, computes the gradient in place of the logits: about half
+#: the logits term; the plan keeps the row-wise figure.
+LOGITS_BYTES = 4
 #: Host memory per GPU for its processes (FSDP worker, vLLM engine core: Python, torch, CUDA runtime).
 HOST_PER_GPU_GB = 5.0
 #: Host memory per agent-loop worker (tokenizer, reward process) and for the driver process.
@@ -88,13 +106,14 @@ def gb(n_bytes: float) -> float:
 @dataclass
 class GpuMemory:
     """Per GPU of one pool, GB. ``vllm`` is ``gpu_memory_utilization`` x ``gpu`` (None when the GPU size is not
-    given); ``rollout`` = FSDP state + vLLM's share + reserve (vLLM awake), ``train`` = FSDP state +
-    activations + reserve (vLLM asleep)."""
+    given); ``rollout`` = FSDP state + vLLM's share + reserve (vLLM awake; see the module docstring),
+    ``train`` = FSDP state + activations + the allocator's headroom + reserve (vLLM asleep)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    headroom: float
     vllm_fraction: float
     vllm: float | None
     rollout: float | None
@@ -158,13 +177,20 @@ def fsdp_bytes_per_param(backend: DictConfig) -> dict[str, int]:
 
 def activations_bytes(size: ModelSize, tokens: int) -> int:
     """Training activations of one micro-batch of ``tokens`` (``max_token_len_per_gpu``), an estimate: the
-    fp32 logits over the vocabulary (the log-probs are computed from them) and, with gradient checkpointing,
+    log-prob pass's logits (``LOGITS_BYTES`` per token and vocabulary entry) and, with gradient checkpointing,
     one bf16 hidden state per layer. A layer's own recomputed activations are left out (small beside these)."""
-    return tokens * size.vocab * 4 + tokens * size.hidden * 2 * size.layers
+    return tokens * size.vocab * LOGITS_BYTES + tokens * size.hidden * 2 * size.layers
 
 
 def checkpoint_gb(params: int, contents: Sequence[str]) -> float:
     return gb(params * sum(CONTENT_BYTES[c] for c in contents))
+
+
+def needs_reference_model(cfg: DictConfig) -> bool:
+    """Whether the job's loss has a KL term to a reference model (HACPO's), which verl runs as a second engine."""
+    from graft_exp.methods import resolve
+
+    return resolve(cfg.method).loss.needs_reference_model
 
 
 def _pool(cfg: DictConfig, role: str, gpu_size: float | None) -> Pool:
@@ -175,17 +201,19 @@ def _pool(cfg: DictConfig, role: str, gpu_size: float | None) -> Pool:
     per_param = fsdp_bytes_per_param(backend)
     states = {name: gb(size.params * b / world) for name, b in per_param.items()}
     activations = gb(activations_bytes(size, int(backend.max_token_len_per_gpu)))
+    headroom = round(ALLOCATOR_HEADROOM * activations, 1)
     fraction = float(backend.gpu_memory_utilization)
     vllm = None if gpu_size is None else round(fraction * gpu_size, 1)
-    resident = sum(states.values()) + GPU_RESERVE_GB
-    memory = GpuMemory(**states, activations=activations, vllm_fraction=fraction, vllm=vllm,
-                       rollout=None if vllm is None else round(resident + vllm, 1),
-                       train=round(resident + activations, 1), gpu=gpu_size)
+    awake = sum(states.values()) + GPU_RESERVE_GB
+    memory = GpuMemory(**states, activations=activations, headroom=headroom, vllm_fraction=fraction, vllm=vllm,
+                       rollout=None if vllm is None else round(awake + vllm, 1),
+                       train=round(sum(states.values()) + activations + headroom + GPU_RESERVE_GB, 1), gpu=gpu_size)
     tp = int(backend.rollout_tp)
     replicas = world // tp
     # vLLM sleeps at level 1 (its weights wait in host memory, bf16: a full copy per replica); offloaded
     # FSDP state lives on the host too; each node holds its share of the pool.
-    offloaded = size.params * (8 * bool(backend.param_offload) + 8 * bool(backend.optimizer_offload))
+    offloaded = size.params * (8 * bool(backend.param_offload) + 8 * bool(backend.optimizer_offload)
+                               + 4 * needs_reference_model(cfg))   # the reference model's fp32 parameters
     nnodes = int(backend.nnodes)
     steady = (2 * size.params * replicas + offloaded) / nnodes + HOST_PER_GPU_GB * GB * int(backend.gpus_per_model)
     load = 4 * size.params * (int(backend.gpus_per_model) if size.tied_embeddings else 1)
@@ -216,7 +244,8 @@ def job_plan(cfg: DictConfig, trained: Sequence[str] | None = None) -> Plan:
     ray_cpus = RAY_CPUS_PER_GPU * gpus
     # Each agent-loop worker tokenizes and scores on a core of its own; one more for the driver process.
     cpus = ray_cpus + int(backend.agent_workers) * len(pools) + 1
-    host = (sum(p.host_mem_gb for p in pools) + max(p.load_host_mem_gb for p in pools) / nnodes
+    # start_models loads every pool at the same time: their load spikes add up.
+    host = (sum(p.host_mem_gb for p in pools) + sum(p.load_host_mem_gb for p in pools) / nnodes
             + HOST_PER_AGENT_WORKER_GB * int(backend.agent_workers) * len(pools) + HOST_DRIVER_GB)
     params = sum(model_size(p.model).params for p in pools)
     checkpoint = {"latest": Checkpoint(list(LATEST_CONTENTS), checkpoint_gb(params, LATEST_CONTENTS)),
@@ -273,5 +302,26 @@ def check(plan: Plan, cfg: DictConfig) -> None:
         if memory.train > memory.gpu:
             raise ConfigError(
                 f"{pool.model} needs {memory.train} GB per GPU to train (FSDP state {fsdp:.1f} GB, activations of "
-                f"backend.max_token_len_per_gpu={cfg.backend.max_token_len_per_gpu} tokens {memory.activations} GB) > "
+                f"backend.max_token_len_per_gpu={cfg.backend.max_token_len_per_gpu} tokens {memory.activations} GB, "
+                f"the allocator's headroom {memory.headroom} GB) > "
                 f"{memory.gpu:g} GB: lower backend.max_token_len_per_gpu or raise backend.gpus_per_model")
+
+
+def device_memory_gb() -> float | None:
+    """The memory of this node's first CUDA GPU in GB, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else None
+
+
+def check_on_node(cfg: DictConfig, trained: Sequence[str], measured_gb: float | None) -> None:
+    """The plan checked again where the job runs, before Ray starts: against the GPUs this node has
+    (``measured_gb``, ``device_memory_gb``), whatever ``cluster.gpu_mem_gb`` said at submission."""
+    if measured_gb is None or cfg.cluster.get("gpu_mem_gb") is None:
+        return
+    node = OmegaConf.merge(cfg, {"cluster": {"gpu_mem_gb": math.floor(measured_gb * 10) / 10}})
+    try:
+        check(job_plan(node, trained), node)
+    except ConfigError as err:
+        raise ConfigError(f"this node's GPUs have {measured_gb:.1f} GB (cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}): "
+                          f"{err}") from None

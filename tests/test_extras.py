@@ -115,3 +115,21 @@ def test_the_schemas_still_type_their_groups(compose_cfg, override):
         compose_cfg(override)
     key, schema = override.split("=")[0].split(".")[1], "MethodConfig" if "method" in override else "LocalBackendConfig"
     assert f"Key '{key}' not in '{schema}'" in str(failed.value.__cause__)
+
+
+def test_a_ray_without_token_authentication_is_refused_naming_the_release(monkeypatch):
+    """A cluster's preinstalled Ray older than the token authentication backends/verl/ray_slurm.py imports fails
+    the launch checks with the release it needs, not at Ray's start."""
+    import importlib.metadata
+
+    from graft_exp import extras
+
+    pytest.importorskip("verl", reason=VERL_BACKEND)
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.49.2" if name == "ray" else real(name))
+    with pytest.raises(extras.MissingExtra, match=r"backend=verl: ray 2.49.2 is older than 2.52.0, the first with "
+                                                  r"token authentication .*: pip install 'graft_exp\[verl\]'"):
+        extras.require("backend=verl")
+    monkeypatch.setattr(importlib.metadata, "version", real)
+    extras.require("backend=verl")   # the pinned one passes
+    from ray._raylet import AuthenticationTokenLoader  # noqa: F401  (what the floor stands for)

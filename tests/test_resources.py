@@ -30,7 +30,7 @@ def test_pair1_and_trio_ask_slurm_for_what_their_members_need(compose_cfg):
     """pair1: two pools of 2 GPUs; trio: three, whose placement groups alone reserve 3 Ray CPUs per GPU = 18
     (the old cluster.resources default asked for 8 CPUs and 64 GB for any pair not listed by name)."""
     _, pair1 = _plan(compose_cfg, "pair=pair1")
-    assert pair1.slurm == {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 29, "mem_gb": 72}
+    assert pair1.slurm == {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 29, "mem_gb": 88}
     _, trio = _plan(compose_cfg, "group=trio")
     assert [p.model for p in trio.pools] == ["smollm3-3b-base", "qwen3-1.7b-base", "octothinker-3b-hybrid-base"]
     assert trio.ray_cpus == 18 and trio.slurm["gpus_per_node"] == 6
@@ -38,7 +38,7 @@ def test_pair1_and_trio_ask_slurm_for_what_their_members_need(compose_cfg):
     assert trio.slurm["mem_gb"] >= trio.host_mem_gb > pair1.host_mem_gb
     jobs = [PlannedJob(0, ["group=trio"], compose_cfg("backend=verl", "group=trio", "cluster=slurm"))]
     plans, problems = check_plans(jobs, set(), OmegaConf.create({}), set())
-    assert not problems and slurm_request(plans, set()) == {"gpus_per_node": 6, "cpus_per_task": 43, "mem_gb": 104}
+    assert not problems and slurm_request(plans, set()) == {"gpus_per_node": 6, "cpus_per_task": 43, "mem_gb": 136}
 
 
 def test_overridden_slurm_request_below_the_plan_is_refused(compose_cfg):
@@ -46,7 +46,7 @@ def test_overridden_slurm_request_below_the_plan_is_refused(compose_cfg):
     launcher = OmegaConf.create({"cpus_per_task": 8})
     plans, problems = check_plans(jobs, set(), launcher, {"cpus_per_task"})
     assert len(problems) == 1 and "hydra.launcher.cpus_per_task=8 is below its plan's 43" in problems[0]
-    assert slurm_request(plans, {"cpus_per_task"}) == {"gpus_per_node": 6, "mem_gb": 104}   # the user's key stays
+    assert slurm_request(plans, {"cpus_per_task"}) == {"gpus_per_node": 6, "mem_gb": 136}   # the user's key stays
 
 
 def test_job_whose_other_member_finished_asks_for_its_own_pool(compose_cfg):
@@ -76,20 +76,64 @@ def test_checkpoints_hold_what_resuming_needs(compose_cfg):
 
 
 def test_gpu_memory_over_committed_from_step_two_is_refused_with_a_utilization_that_fits(compose_cfg):
-    """0.6 of a 40 GB GPU for vLLM next to smollm3's sharded fp32 parameters, gradients and AdamW state
-    (22.9 GB per GPU on 2 GPUs) does not fit; the utilization the refusal names does; 80 GB GPUs fit."""
-    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=40")
+    """0.6 of a 48 GB GPU for vLLM next to smollm3's sharded fp32 parameters, gradients and AdamW state (22.9 GB
+    per GPU on 2 GPUs) does not fit; the utilization the refusal names does; 80 GB GPUs fit."""
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=48")
     assert plan.gpu_mem_gb["A"].params + plan.gpu_mem_gb["A"].grads + plan.gpu_mem_gb["A"].optimizer == pytest.approx(22.9)
-    with pytest.raises(ConfigError, match=r"lower backend.gpu_memory_utilization to 0\.35") as err:
+    with pytest.raises(ConfigError, match=r"lower backend.gpu_memory_utilization to 0\.45") as err:
         resources.check(plan, cfg)
     assert "\n" not in str(err.value)
-    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=40", "backend.gpu_memory_utilization=0.35")
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=48", "backend.gpu_memory_utilization=0.45")
     resources.check(plan, cfg)
     cfg, plan = _plan(compose_cfg, "group=trio", "cluster.gpu_mem_gb=80")
     resources.check(plan, cfg)
     cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster.gpu_mem_gb=80", "backend.gpu_memory_utilization=0.04")
     with pytest.raises(ConfigError, match="not enough for smollm3-3b-base's bf16 weights"):
         resources.check(plan, cfg)
+
+
+def test_each_phase_counts_what_verl_holds_then(compose_cfg):
+    """Qwen3-1.7B on one GPU (the measured configuration: peak allocated 35.8 GiB, reserved 45.2, 23.9 after the
+    step): training holds fp32 parameters, gradients and AdamW (25.6), the log-prob pass's bf16 logits and their
+    gradient plus a bf16 hidden state per layer (11.0), the allocator's headroom over them (0.92 x 11.0) and the
+    reserve; the rollout phase the whole state beside vLLM's share (measured after the step: 23.9, between
+    parameters + AdamW and the whole state)."""
+    _, plan = _plan(compose_cfg, "pair=pair1", "cluster=slurm", "backend.gpus_per_model=1", "backend.rollout_tp=1")
+    qwen = plan.gpu_mem_gb["B"]
+    assert (qwen.params, qwen.grads, qwen.optimizer, qwen.activations, qwen.headroom) == (6.4, 6.4, 12.8, 11.0, 10.1)
+    assert qwen.train == pytest.approx(6.4 + 6.4 + 12.8 + 11.0 + 10.1 + resources.GPU_RESERVE_GB)
+    assert qwen.gpu == 140.0 and qwen.vllm == 84.0   # cluster=slurm: the paper's H200s
+    assert qwen.rollout == pytest.approx(6.4 + 6.4 + 12.8 + 84.0 + resources.GPU_RESERVE_GB)
+    assert 6.4 + 12.8 < 23.9 < 6.4 + 6.4 + 12.8
+    assert resources.activations_bytes(resources.model_size("qwen3-1.7b-base"), 16384) == \
+        16384 * 151936 * 4 + 16384 * 2048 * 2 * 28
+
+
+def test_hacpo_counts_its_reference_models_and_pools_load_together(compose_cfg):
+    """HACPO's KL term starts a reference model per pool, its fp32 parameters offloaded to host memory; every
+    pool loads at the same time, so their load spikes add up."""
+    _, graft = _plan(compose_cfg, "pair=pair1", "cluster=slurm")
+    _, hacpo = _plan(compose_cfg, "pair=pair1", "cluster=slurm", "method=hacpo")
+    params = {p.role: resources.model_size(p.model).params for p in graft.pools}
+    for g, h in zip(graft.pools, hacpo.pools):
+        assert h.host_mem_gb == pytest.approx(g.host_mem_gb + 4 * params[g.role] / resources.GB, abs=0.1)
+    assert hacpo.slurm["mem_gb"] > graft.slurm["mem_gb"]
+    loads = sum(p.load_host_mem_gb for p in graft.pools)
+    assert graft.host_mem_gb == pytest.approx(sum(p.host_mem_gb for p in graft.pools) + loads
+                                              + resources.HOST_PER_AGENT_WORKER_GB * 8 * 2 + resources.HOST_DRIVER_GB,
+                                              abs=0.1)
+
+
+def test_the_node_checks_the_plan_against_its_own_gpus(compose_cfg):
+    """A job submitted for 140 GB GPUs that lands on 48 GB ones stops before Ray starts, with the numbers."""
+    cfg, plan = _plan(compose_cfg, "pair=pair1", "cluster=slurm")
+    resources.check(plan, cfg)
+    resources.check_on_node(cfg, ["A", "B"], 140.4)
+    resources.check_on_node(cfg, ["A", "B"], None)   # no CUDA GPU here: nothing to check against
+    resources.check_on_node(cfg, ["A", "B"], 79.6)   # an 80 GB H100 holds pair 1 too
+    with pytest.raises(ConfigError, match=r"this node's GPUs have 47\.5 GB \(cluster.gpu_mem_gb=140\): "
+                                          r"backend.gpu_memory_utilization=0.6 of a 47.5 GB GPU"):
+        resources.check_on_node(cfg, ["A", "B"], 47.5)
 
 
 def test_token_budget_below_one_sequence_is_refused(compose_cfg):
@@ -141,7 +185,7 @@ def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]   # one line
     assert done.stderr.startswith("plan refused: backend.gpu_memory_utilization=0.6 of a 40 GB GPU")
-    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=72G" in done.stdout
+    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=88G" in done.stdout
 
 
 def test_launch_callback_sets_the_slurm_request_from_the_plans(tmp_path):

@@ -315,6 +315,8 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
             assert model.wg.calls["update_actor"] >= 1          # each driver trained its step
             calls = model.checkpoints.calls
             assert calls["update_weights"] + calls["wake_up_replicas"] == calls["sleep_replicas"]
+            # every wake without a weight transfer first hands the trainer's cached GPU blocks back
+            assert model.wg.calls["release_cached_memory"] == calls["wake_up_replicas"]
             # weights are sent once per change (an update, a load): the benchmarks of one validation reuse them
             assert calls["wake_up_replicas"] >= 1 and calls["update_weights"] <= model.wg.calls["update_actor"] + 3
     for model in second.models.values():

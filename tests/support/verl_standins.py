@@ -50,6 +50,7 @@ from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
 from verl.utils import tensordict_utils as tu
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.memory_utils import aggressive_empty_cache
 from verl.utils.metric.utils import Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.config.optimizer import build_optimizer
@@ -185,6 +186,11 @@ class EngineWorkerGroup:
         self._count("load_checkpoint")
         self.checkpoints.load_checkpoint(local_path=local_path, hdfs_path=hdfs_path,
                                          del_local_after_load=del_local_after_load)
+
+    def release_cached_memory(self) -> None:
+        """``GraftActorWorker.release_cached_memory``: verl's own cache release (nothing to release on CPU)."""
+        self._count("release_cached_memory")
+        aggressive_empty_cache(force_sync=True)
 
     def save_checkpoint_contents(self, local_path, global_step, contents) -> None:
         """``GraftActorWorker.save_checkpoint_contents``: the manager saving ``contents`` only."""

@@ -24,6 +24,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from verl.utils.tokenizer import normalize_token_ids
 from verl.utils.tokenizer.chat_template import apply_chat_template
 
+from graft_exp import resources
 from graft_exp.algorithms import sequence_log_prob_sums
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import verl_config
@@ -172,11 +173,13 @@ class VerlBackend:
 
     def _generate(self, role: str, prompts: DataProto, n: int, seed: int,
                   validate: bool) -> tuple[DataProto, list, list]:
-        """n samples of each prompt; sample i is drawn with vLLM seed ``derive_seed(seed, i)``."""
+        """n samples of each prompt; sample i is drawn with vLLM seed ``derive_seed(seed, i)``, or from the
+        engine's own stream (``backend.seeded_requests=false``)."""
         model = self.models[role]
         repeated = prompts.repeat(repeat_times=n, interleave=True)
-        repeated.non_tensor_batch[SEED_COLUMN] = np.array([derive_seed(seed, i) for i in range(len(repeated))],
-                                                          dtype=object)
+        seeded = bool(self.cfg.backend.seeded_requests)
+        repeated.non_tensor_batch[SEED_COLUMN] = np.array(
+            [derive_seed(seed, i) if seeded else None for i in range(len(repeated))], dtype=object)
         stops = np.empty(len(repeated), dtype=object)   # one list per row (np.array would make a 2-D array)
         for row in range(len(repeated)):
             stops[row] = list(model.stop_ids)
@@ -300,6 +303,7 @@ def create(cfg: DictConfig, method: Method, roles: list[str], run_dir: Path) -> 
 
     for role in roles:
         check_verl_loadable(model_path(cfg, role))
+    resources.check_on_node(cfg, roles, resources.device_memory_gb())   # the GPUs this node really has
     backend = VerlBackend(cfg, method, roles, run_dir)
     train_file, val_files = data_files(cfg)
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))

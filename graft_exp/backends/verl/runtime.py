@@ -61,6 +61,7 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, Res
 from verl.utils import tensordict_utils as tu
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, get_checkpoint_tracker_filename
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.config import HFModelConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout.llm_server import LLMServerManager
@@ -113,6 +114,13 @@ class GraftActorWorker(ActorRolloutRefWorker):
         old = self.rollout.replica_rank
         self.rollout.replica_rank = old + offset
         self.rollout.zmq_handle = scoped_zmq_handle(self.rollout.zmq_handle, old, offset, os.environ[JOB_TOKEN_ENV])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def release_cached_memory(self) -> None:
+        """Hand the trainer's cached, unused GPU blocks back before vLLM wakes on the same GPU. verl empties the
+        cache only inside a weight transfer; a wake without one (DAPO's refills, a validation's benchmarks, the
+        final evaluation runs) would otherwise meet FSDP's state, the allocator's cache and vLLM's share at once."""
+        aggressive_empty_cache(force_sync=True)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint_contents(self, local_path: str, global_step: int, contents: list[str]) -> None:
@@ -263,6 +271,7 @@ class VerlModel:
         workers = int(self.config.actor_rollout_ref.rollout.agent.num_workers)
         padded, pad_size = pad_dataproto_to_divisor(prompts, workers)
         if self.served_version == self.weights_version:   # DAPO's refills, validation, evaluation runs
+            self.wg.release_cached_memory()
             self.checkpoints.wake_up_replicas()
         else:
             self.checkpoints.update_weights(step)

@@ -6,7 +6,8 @@ one seed for every request, so the n samples of a prompt would be identical). Ev
 from the same random stream, and a resumed job would draw differently from an uninterrupted one (the
 engine's stream restarts). The backend puts a ``sample_seed`` column into each generation batch, derived
 from the run seed, the step and the row (``VerlBackend._generate``); this loop hands it to vLLM as the
-request's ``SamplingParams.seed``.
+request's ``SamplingParams.seed``. With ``backend.seeded_requests=false`` the column holds None and the request
+carries no seed (vLLM's batched sampler; on GPUs nothing is bit-reproducible either way).
 
 The model's stop tokens travel the same way (``STOP_COLUMN``, SamplingParams.stop_token_ids).
 
@@ -31,10 +32,10 @@ STOP_COLUMN = "stop_token_ids"
 
 class SeededSingleTurnAgentLoop(SingleTurnAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
-        seed = kwargs.pop(SEED_COLUMN, None)
-        stops = kwargs.pop(STOP_COLUMN, None)
-        if seed is None or stops is None:
+        if SEED_COLUMN not in kwargs or kwargs.get(STOP_COLUMN) is None:
             raise ValueError(f"generation batch without its {SEED_COLUMN!r} or {STOP_COLUMN!r} column: vLLM would "
-                             "sample from the engine's launch seed, or run past the end of the turn")
-        return await super().run({**sampling_params, "seed": int(seed), "stop_token_ids": [int(t) for t in stops]},
-                                 **kwargs)
+                             "sample from the engine's launch seed unasked, or run past the end of the turn")
+        seed, stops = kwargs.pop(SEED_COLUMN), kwargs.pop(STOP_COLUMN)
+        # A row's seed is None where the job samples from the engine's stream (backend.seeded_requests=false).
+        seeding = {} if seed is None else {"seed": int(seed)}
+        return await super().run({**sampling_params, **seeding, "stop_token_ids": [int(t) for t in stops]}, **kwargs)
