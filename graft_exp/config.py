@@ -11,6 +11,7 @@ and raises ``ConfigError`` naming the fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tempfile
 import typing
@@ -605,26 +606,34 @@ def available_devices(cfg: DictConfig) -> None:
                           "cluster=slurm ...), or set backend.ray_address to a Ray cluster with the GPUs")
 
 
+@functools.lru_cache(maxsize=64)
+def prompting_problem(model_dir: str, key: str, template: str | None) -> str | None:
+    """Why the prepared model ``model_dir/key`` cannot be prompted and stopped (``prompts.check_prompting``), or
+    None; once per model and template in a process (every job of a sweep asks)."""
+    from transformers import AutoTokenizer
+
+    from graft_exp.prompts import check_prompting
+
+    local = Path(model_dir) / key
+    try:
+        check_prompting(AutoTokenizer.from_pretrained(local), f"models.{key} ({local})", template)
+    except (OSError, ValueError) as err:
+        return str(err)
+    return None
+
+
 def prepared_models(cfg: DictConfig) -> None:
     """backend=verl prompts each prepared model (``backend.model_dir/<key>``) through a chat template that ends
     turns on a stop id (``prompts.check_prompting``); a model fetched from the hub is checked where it runs."""
     if cfg.backend.name != "verl":
         return
-    from transformers import AutoTokenizer
-
-    from graft_exp.prompts import check_prompting
-
     custom = OmegaConf.from_dotlist([str(o) for o in cfg.backend.verl_overrides])
     template = OmegaConf.select(custom, "actor_rollout_ref.model.custom_chat_template", default=None)
     for role in roles(cfg.pair):
-        key = cfg.pair[role]
-        local = Path(cfg.backend.model_dir) / key
-        if not local.is_dir():
-            continue
-        try:
-            check_prompting(AutoTokenizer.from_pretrained(local), f"models.{key} ({local})", template)
-        except (OSError, ValueError) as err:
-            raise ConfigError(str(err)) from None
+        if (Path(cfg.backend.model_dir) / cfg.pair[role]).is_dir():
+            problem = prompting_problem(str(cfg.backend.model_dir), str(cfg.pair[role]), template)
+            if problem:
+                raise ConfigError(problem)
 
 
 def validate_environment(cfg: DictConfig) -> None:

@@ -73,7 +73,7 @@ def after_the_turn(tokenizer, template: str | None = None) -> str | None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"},
                                           {"role": "assistant", "content": _TURN_PROBE}], tokenize=False,
                                          chat_template=template)
-    return text.rsplit(_TURN_PROBE, 1)[-1]
+    return text.rsplit(_TURN_PROBE, 1)[-1] if _TURN_PROBE in text else ""   # "": it writes no assistant turn
 
 
 def special_ids(tokenizer) -> set[int]:

@@ -161,3 +161,30 @@ def test_server_tracking_without_uri_says_what_to_set(compose_cfg, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI"):
         validate(compose_cfg("tracking=server"))
+
+
+def test_a_prepared_verl_model_that_cannot_be_prompted_is_refused_before_the_job(compose_cfg, tmp_path):
+    """verl's agent loop renders every prompt with the model's chat template: a prepared snapshot without one (as
+    SmolLM3-3B-Base and OctoThinker-3B-Hybrid-Base ship) is refused at validation, naming the model and the fix;
+    with a template, or one given through verl_overrides, it passes."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from graft_exp.config import prepared_models, prompting_problem
+    from graft_exp.tiny.models import ASSETS
+
+    for key in ("tiny-char-llama", "tiny-bpe-qwen3"):
+        shutil.copytree(ASSETS / key, tmp_path / key)
+    cfg = compose_cfg("backend=verl", "pair=tiny_verl", f"backend.model_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=r"models.tiny-char-llama \(.*\) has no chat template, and verl's agent loop"):
+        prepared_models(cfg)
+    given = compose_cfg("backend=verl", "pair=tiny_verl", f"backend.model_dir={tmp_path}",
+                        """backend.verl_overrides=["actor_rollout_ref.model.custom_chat_template='{{ messages[0].content }}'"]""")
+    prepared_models(given)
+    prompting_problem.cache_clear()
+    for key in ("tiny-char-llama", "tiny-bpe-qwen3"):
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / key)
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        tokenizer.save_pretrained(tmp_path / key)
+    prepared_models(cfg)
