@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
-from scipy import stats
 
 from graft_exp import schema
+from graft_exp.intervals import paired_interval
 
 UNTIL_DECIDED = "until-decided"
 #: Params that set the budget (or only the study's name): equal-steps twins differ from a budgeted job only there.
@@ -133,8 +133,8 @@ def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
 def _paired(diffs: np.ndarray) -> str:
     if len(diffs) < 2:
         return "—"
-    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / math.sqrt(len(diffs))
-    return f"{diffs.mean():+.2f} [{diffs.mean() - half:+.2f}, {diffs.mean() + half:+.2f}]"
+    mean, lo, hi = paired_interval(diffs)
+    return f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
 def equal_compute(jobs: pd.DataFrame, reference: str, study: list[str] | None = None) -> pd.DataFrame:

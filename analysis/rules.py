@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+
+from graft_exp.intervals import paired_interval, t_halfwidth
 
 AVG = "avg"
 #: Standard deviation over the evaluation runs of one checkpoint. The paper says "mean and standard
@@ -190,10 +191,7 @@ def rescue_fraction(receiver: pd.DataFrame, *peers: pd.DataFrame) -> pd.Series:
 
 def confidence_halfwidth(values: pd.Series, level: float = 0.95) -> float:
     """Half-width of the Student-t confidence interval of the mean (Fig. 3a's 95% CIs over evaluation runs)."""
-    values = values.dropna()
-    if len(values) < 2:
-        return math.nan
-    return float(stats.t.ppf(0.5 + level / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    return t_halfwidth(values.dropna().to_numpy(), level)
 
 
 def paired_difference(values: pd.Series, reference: pd.Series, level: float = 0.95) -> dict[str, float]:
@@ -204,7 +202,5 @@ def paired_difference(values: pd.Series, reference: pd.Series, level: float = 0.
     spread that both share, e.g. the prompt order). ``n`` is the number of pairs; the interval is NaN below 2.
     """
     diff = (values - reference).dropna()
-    n = len(diff)
-    mean = float(diff.mean()) if n else math.nan
-    half = confidence_halfwidth(diff, level)
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+    mean, lo, hi = paired_interval(diff.to_numpy(), level)
+    return {"mean": mean, "lo": lo, "hi": hi, "n": len(diff)}

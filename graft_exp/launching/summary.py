@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graft_exp import schema, tracking
+from graft_exp.launching import comparison
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 AVG = schema.TEST + "avg"
@@ -40,6 +41,17 @@ class JobResult:
     status: str                  # MLflow's status of the job run, or "missing"
     gpu_hours: float | None
     models: list[ModelResult]
+    method: str = ""
+    seed: str = ""
+    pair: str = ""
+    params: dict[str, str] = field(default_factory=dict)   # the job run's params: its flattened config
+
+    @property
+    def pair_score(self) -> float | None:
+        """The job's score: the mean over its models of each one's mean final test average (None unless every
+        model was evaluated)."""
+        scores = [m.scores.get("avg") for m in self.models]
+        return sum(scores) / len(scores) if scores and None not in scores else None
 
 
 def _mean_history(client: MlflowClient, run_id: str, key: str) -> float:
@@ -59,7 +71,10 @@ def job_result(client: MlflowClient, run, label: str) -> JobResult:
             scores["avg"] = _mean_history(client, child.info.run_id, AVG)
         models.append(ModelResult(tags.get("graft.role", "?"), tags.get("graft.model", "?"), child.info.status,
                                   scores, tags.get("graft.best_step"), metrics.get("cost/gpu_hours")))
-    return JobResult(label, run.info.status, run.data.metrics.get("cost/gpu_hours"), models)
+    tags = run.data.tags
+    return JobResult(label, run.info.status, run.data.metrics.get("cost/gpu_hours"), models,
+                     tags.get(schema.METHOD, ""), tags.get(schema.SEED, ""), tags.get(schema.PAIR, ""),
+                     dict(run.data.params))
 
 
 def _pct(value: float | None) -> str:
@@ -117,4 +132,9 @@ def print_job(uri: str, run_id: str, label: str) -> None:
 
 
 def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str) -> None:
-    console.print(jobs_table(results_by_key(uri, jobs), title))
+    """The jobs table, then the comparison of their methods wherever methods share seeds (``comparison``)."""
+    results = results_by_key(uri, jobs)
+    console.print(jobs_table(results, title))
+    for table, note in comparison.tables(results):
+        console.print(table)
+        console.print(note)

@@ -34,7 +34,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import stats
+
+from graft_exp.intervals import paired_interval
 
 RULE = ("AdaStop (Mathieu et al. 2023), adastop==0.1.3, at alpha/2 for a two-sided family-wise error "
         "<= alpha; adjusted intervals: paired Student-t at 1 - alpha/(m K) (Bonferroni over comparisons and looks)")
@@ -100,9 +101,8 @@ def adjusted_interval(diffs: np.ndarray, s: Settings) -> tuple[float, float]:
     n = len(diffs)
     if n < 2:
         return (-math.inf, math.inf)
-    level = 1 - s.alpha / (len(s.comparisons) * s.rounds)
-    half = stats.t.ppf(1 - (1 - level) / 2, n - 1) * np.std(diffs, ddof=1) / math.sqrt(n)
-    return (float(np.mean(diffs) - half), float(np.mean(diffs) + half))
+    _, lo, hi = paired_interval(diffs, 1 - s.alpha / (len(s.comparisons) * s.rounds))
+    return (lo, hi)
 
 
 @dataclass

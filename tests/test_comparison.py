@@ -1,0 +1,64 @@
+"""A multirun or a sweep ends with the comparison it was run for (graft_exp/launching/comparison.py): checked
+against means, paired differences and intervals computed by hand on a small store of real MLflow runs."""
+
+from __future__ import annotations
+
+import re
+
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from graft_exp import tracking
+from graft_exp.launching import summary
+
+#: (method, seed) -> each model's final test averages over two evaluation runs.
+SCORES = {("grpo_n8", 0): ((0.40, 0.50), (0.30, 0.30)), ("grpo_n8", 1): ((0.50, 0.50), (0.40, 0.40)),
+          ("grpo_n8", 2): ((0.50, 0.60), (0.30, 0.40)), ("graft", 0): ((0.50, 0.50), (0.40, 0.40)),
+          ("graft", 1): ((0.60, 0.60), (0.40, 0.40)), ("graft", 2): ((0.50, 0.60), (0.40, 0.50))}
+
+
+def write_store(new_store, tmp_path) -> tuple[str, list[tuple[str, str]]]:
+    uri = new_store(tmp_path)
+    client = MlflowClient(uri)
+    exp = client.create_experiment("graft/compare")
+    jobs = []
+    for (method, seed), models in SCORES.items():
+        key = f"{method}-{seed}"
+        steps = "20" if (method, seed) == ("graft", 2) else "30"
+        job = client.create_run(exp, tags={"graft.run_key": key, "graft.method": method, "graft.seed": str(seed),
+                                           "graft.pair": "tiny"}).info.run_id
+        params = {"method": method, "seed": str(seed), "train.max_steps": steps, "method.name": method,
+                  "tracking.uri": uri}
+        client.log_batch(job, params=[Param(k, v) for k, v in params.items()],
+                         metrics=[Metric("cost/gpu_hours", 0.01 * (1 + (method == "graft")), 0, 1)])
+        for role, model, runs in zip("AB", ("tiny-char-llama", "tiny-bpe-gpt2"), models):
+            child = client.create_run(exp, tags={"mlflow.parentRunId": job, "graft.role": role, "graft.model": model,
+                                                 "graft.run_key": f"{key}-{role}"}).info.run_id
+            client.log_batch(child, metrics=[Metric("test/avg", v, 0, i) for i, v in enumerate(runs)])
+            client.set_terminated(child)
+        client.set_terminated(job)
+        jobs.append((f"{method} seed {seed}", key))
+    return uri, jobs
+
+
+def test_the_comparison_is_the_hand_computed_one(new_store, tmp_path, capsys):
+    uri, jobs = write_store(new_store, tmp_path)
+    summary.print_jobs(uri, jobs, "multirun of 6 jobs: results")
+    out = capsys.readouterr().out
+    # by seed, GRPO n=8: A 0.45, 0.50, 0.55 (s.d. 0.05, s.e. 0.0289); B 0.30, 0.40, 0.35; pair 0.375, 0.45, 0.45
+    # (s.d. 0.0433, s.e. 0.025). GRAFT: A 0.50, 0.60, 0.55; B 0.40, 0.40, 0.45; pair 0.45, 0.50, 0.50
+    assert re.search(r"grpo_n8 +│ +3 │ +50\.0 ± 2\.9 │ +35\.0 ± 2\.9 │ +42\.5 ± 2\.5 │ +reference │ +0\.0100", out), out
+    assert re.search(r"graft +│ +3 │ +55\.0 ± 2\.9 │ +41\.7 ± 1\.7 │ +48\.3 ± 1\.7 │", out), out
+    # paired differences 0.075, 0.05, 0.05: mean 0.0583, s.d. 0.01443, s.e. 0.00833; t(0.975, 2) = 4.302653
+    half = 4.302653 * 0.0144338 / 3 ** 0.5
+    assert f"+5.83 [{100 * (0.058333 - half):+.2f}, {100 * (0.058333 + half):+.2f}] (n=3)" in out, out
+    assert "+5.83 [+2.25, +9.42] (n=3)" in out and "0.0200" in out
+    assert "the compared jobs differ besides method and seed in: train.max_steps: 20, 30" in out
+
+
+def test_no_comparison_where_methods_share_no_seed(new_store, tmp_path, capsys):
+    uri, jobs = write_store(new_store, tmp_path)
+    only_graft = [(label, key) for label, key in jobs if key.startswith("graft")]
+    summary.print_jobs(uri, only_graft, "multirun of 3 jobs: results")
+    assert "paired vs" not in capsys.readouterr().out
+    assert tracking.find_run(MlflowClient(uri), "graft-0") is not None
