@@ -105,7 +105,7 @@ def one_step(key: str, tiny: bool, tokens: int) -> dict:
     size = resources.ModelSize(params=counted, layers=config.num_hidden_layers, hidden=config.hidden_size,
                                vocab=config.vocab_size, tied_embeddings=bool(config.tie_word_embeddings))
     per_param = {"params": 4, "grads": 4, "optimizer": 8}
-    activations = resources.activations_bytes(size, tokens) / GIB
+    activations = resources.activations_bytes(size, tokens, "rowwise") / GIB   # the path this step takes
     planned = {name: counted * b / GIB for name, b in per_param.items()}
     state_gib = sum(planned.values())
     planned |= {"activations": activations, "headroom": resources.ALLOCATOR_HEADROOM * activations,

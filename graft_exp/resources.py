@@ -62,12 +62,23 @@ GPU_RESERVE_GB = 3.0
 #: The caching allocator's reserve above the allocated peak of a training step, per GB of the activation term
 #: (the larger of the two measured on an H200; see the module docstring).
 ALLOCATOR_HEADROOM = 0.92
-#: Bytes per (token, vocabulary entry) of the log-prob pass verl 0.9.1 runs without flash-attn (row-wise
-#: ``logprobs_from_logits_v2``): the bf16 logits kept for the backward pass and their bf16 gradient. Measured at
-#: 16,384 tokens: 10.2 GiB of activations for Qwen3-1.7B against this term's 11.0 (a full fp32 log-softmax took
-#: 19-29 GiB). flash-attn's cross-entropy, where installed, computes the gradient in place of the logits: about half
-#: the logits term; the plan keeps the row-wise figure.
-LOGITS_BYTES = 4
+#: Bytes per (token, vocabulary entry) of each path verl 0.9.1's log-prob pass may take
+#: (``verl.utils.torch_functional.logprobs_from_logits``). ``rowwise`` (``logprobs_from_logits_v2``, where flash-attn
+#: is not installed): the bf16 logits kept for the backward pass and their bf16 gradient; measured at 16,384 tokens,
+#: 10.2 GiB of activations for Qwen3-1.7B against this term's 11.0 (a full fp32 log-softmax took 19-29 GiB).
+#: ``flash_attn_ce`` (flash-attn's Triton cross-entropy, ``inplace_backward=True``): the bf16 logits, whose buffer the
+#: backward pass writes the gradient into; derived from the kernel, not measured.
+LOGITS_BYTES = {"rowwise": 4, "flash_attn_ce": 2}
+
+
+def logprob_path() -> str:
+    """The path verl's log-prob pass takes in this environment, as verl decides it: flash-attn's cross-entropy
+    where ``flash_attn`` is installed and ``VERL_DISABLE_FLASH_ATTN_CE`` is not 1, else row-wise."""
+    import importlib.util
+    import os
+
+    flash = importlib.util.find_spec("flash_attn") is not None and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE") != "1"
+    return "flash_attn_ce" if flash else "rowwise"
 #: Host memory per GPU for its processes (FSDP worker, vLLM engine core: Python, torch, CUDA runtime).
 HOST_PER_GPU_GB = 5.0
 #: Host memory per agent-loop worker (tokenizer, reward process) and for the driver process.
@@ -175,11 +186,12 @@ def fsdp_bytes_per_param(backend: DictConfig) -> dict[str, int]:
     return {"params": 4 * on_gpu, "grads": 4 * on_gpu, "optimizer": 8 * (not backend.optimizer_offload)}
 
 
-def activations_bytes(size: ModelSize, tokens: int) -> int:
+def activations_bytes(size: ModelSize, tokens: int, path: str = "rowwise") -> int:
     """Training activations of one micro-batch of ``tokens`` (``max_token_len_per_gpu``), an estimate: the
-    log-prob pass's logits (``LOGITS_BYTES`` per token and vocabulary entry) and, with gradient checkpointing,
-    one bf16 hidden state per layer. A layer's own recomputed activations are left out (small beside these)."""
-    return tokens * size.vocab * LOGITS_BYTES + tokens * size.hidden * 2 * size.layers
+    log-prob pass's logits (``LOGITS_BYTES[path]`` per token and vocabulary entry) and, with gradient
+    checkpointing, one bf16 hidden state per layer. A layer's own recomputed activations are left out (small
+    beside these)."""
+    return tokens * size.vocab * LOGITS_BYTES[path] + tokens * size.hidden * 2 * size.layers
 
 
 def checkpoint_gb(params: int, contents: Sequence[str]) -> float:
@@ -200,7 +212,7 @@ def _pool(cfg: DictConfig, role: str, gpu_size: float | None) -> Pool:
     world = int(backend.gpus_per_model) * int(backend.nnodes)
     per_param = fsdp_bytes_per_param(backend)
     states = {name: gb(size.params * b / world) for name, b in per_param.items()}
-    activations = gb(activations_bytes(size, int(backend.max_token_len_per_gpu)))
+    activations = gb(activations_bytes(size, int(backend.max_token_len_per_gpu), logprob_path()))
     headroom = round(ALLOCATOR_HEADROOM * activations, 1)
     fraction = float(backend.gpu_memory_utilization)
     vllm = None if gpu_size is None else round(fraction * gpu_size, 1)
@@ -252,6 +264,9 @@ def job_plan(cfg: DictConfig, trained: Sequence[str] | None = None) -> Plan:
                   "best": Checkpoint(list(BEST_CONTENTS), checkpoint_gb(params, BEST_CONTENTS))}
     slurm = {"nodes": nnodes, "gpus_per_node": gpus, "cpus_per_task": cpus, "mem_gb": round_up(host, 8)}
     notes = []
+    if logprob_path() != "rowwise":
+        notes.append("activations follow flash-attn's in-place cross-entropy (installed here): half the row-wise "
+                     "logits term, derived, not measured (VERL_DISABLE_FLASH_ATTN_CE=1 takes the measured path)")
     if nnodes > 1:
         notes.append(f"{nnodes} nodes: every pool spans every node; checkpoint_root ({cfg.checkpoint_root}) and "
                      f"backend.model_dir ({backend.model_dir}) must be one shared filesystem that every node "

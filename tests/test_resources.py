@@ -109,6 +109,23 @@ def test_each_phase_counts_what_verl_holds_then(compose_cfg):
         16384 * 151936 * 4 + 16384 * 2048 * 2 * 28
 
 
+def test_the_activation_term_follows_the_log_prob_path_verl_takes(compose_cfg, monkeypatch):
+    """verl computes log-probs with flash-attn's in-place cross-entropy where flash_attn is installed (bf16 logits,
+    the gradient written into them: 2 bytes per entry), else row-wise (logits and their gradient: 4)."""
+    import importlib.util
+
+    assert resources.logprob_path() == "rowwise"   # no flash-attn here
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))
+    assert resources.logprob_path() == "flash_attn_ce"
+    _, plan = _plan(compose_cfg, "pair=pair1", "cluster=slurm", "backend.gpus_per_model=1", "backend.rollout_tp=1")
+    qwen = plan.gpu_mem_gb["B"]
+    assert qwen.activations == round((16384 * 151936 * 2 + 16384 * 2048 * 2 * 28) / resources.GB, 1)
+    assert any("flash-attn's in-place cross-entropy" in note for note in plan.notes)
+    monkeypatch.setenv("VERL_DISABLE_FLASH_ATTN_CE", "1")
+    assert resources.logprob_path() == "rowwise"
+
+
 def test_hacpo_counts_its_reference_models_and_pools_load_together(compose_cfg):
     """HACPO's KL term starts a reference model per pool, its fp32 parameters offloaded to host memory; every
     pool loads at the same time, so their load spikes add up."""
