@@ -1,4 +1,5 @@
-"""``python -m analysis {tables,figures,compare,decisions,readme}``: the paper's tables and figures from MLflow.
+"""``python -m analysis {tables,figures,compare,methods,decisions,readme}``: the paper's tables and figures from
+MLflow; ``methods`` compares the methods of any finished jobs.
 
 ``readme`` rebuilds a page's generated results section (the tiny study's in ``docs/tiny.md``, the K-model
 study's in ``docs/groups.md``) from what ``tables`` and ``figures`` wrote into ``--out`` (:mod:`analysis.readme`).
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table as RichTable
 
-from analysis import compare, decisions, figures, readme, render, tables
+from analysis import compare, decisions, figures, methods, readme, render, tables
 from analysis.results import Analysis
 from analysis.store import ANALYSIS_TAG, StoreUnavailable, load_store
 
@@ -125,6 +126,21 @@ def cmd_compare(args) -> None:
     console.print(f"compared {frame['ours'].notna().sum()} of {len(frame)} paper cells; wrote {paths[0]}")
 
 
+def cmd_methods(args) -> None:
+    from graft_exp.launching import comparison
+
+    results = methods.job_results(MlflowClient(args.tracking_uri), args.experiment, args.where or [])
+    found = comparison.compare(results, args.reference)
+    if not found:
+        raise StoreUnavailable(f"no methods sharing seeds among the {len(results)} finished jobs selected "
+                               f"({', '.join(args.experiment or ['graft/*'])}{' where ' + ' '.join(args.where) if args.where else ''})")
+    for table, note in comparison.tables(results, args.reference):
+        console.print(table)
+        console.print(note)
+    paths = methods.write(found, args.out)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
 def cmd_decisions(args) -> None:
     client = MlflowClient(args.tracking_uri)
     paths = decisions.write(client, args.experiment, args.out, args.reference)
@@ -151,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
                                  "unless --tracking-uri is given)")),
         "decisions": (cmd_decisions, ("each comparison's verdict from a --until-decided sweep (with rliable's "
                                       "P(improve) and IQM), and scores at equal compute beside equal steps")),
+        "methods": (cmd_methods, ("the methods of any finished jobs against a reference, paired by seed (the "
+                                  "comparison a multirun ends with), selected by experiment and --where filters")),
         "readme": (cmd_readme, "rebuild a page's generated results section from the tables and figures in OUT"),
     }
     for name, (handler, help_text) in specs.items():
@@ -170,6 +188,13 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("--experiment", action="append",
                              help="experiment name to read (repeatable; default: every experiment named graft/*)")
         command.add_argument("--out", type=Path, required=True, help="output directory")
+        if name == "methods":
+            command.add_argument("--where", action="append", help="key=value a job's settings must match "
+                                 "(a flattened config key, or method, pair, seed; repeatable)")
+            command.add_argument("--reference", default=None, help="the reference method (default: grpo_n8 where "
+                                 "it ran, else the first)")
+            command.set_defaults(handler=handler)
+            continue
         if name == "decisions":
             command.add_argument("--reference", default="grpo_n8",
                                  help="the equal-compute table's reference method (whose cost is the budget)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
@@ -62,3 +63,28 @@ def test_no_comparison_where_methods_share_no_seed(new_store, tmp_path, capsys):
     summary.print_jobs(uri, only_graft, "multirun of 3 jobs: results")
     assert "paired vs" not in capsys.readouterr().out
     assert tracking.find_run(MlflowClient(uri), "graft-0") is not None
+
+
+def test_analysis_methods_writes_the_same_comparison_for_selected_runs(new_store, tmp_path, capsys):
+    """``python -m analysis methods``: the same comparison for any finished jobs, selected by experiment and
+    settings, written as CSV, Markdown and LaTeX; a filter that leaves no shared seeds says so (exit 2)."""
+    import pandas as pd
+
+    from analysis.__main__ import main
+
+    uri, _ = write_store(new_store, tmp_path)
+    out = tmp_path / "reports"
+    assert main(["methods", "--tracking-uri", uri, "--experiment", "graft/compare", "--out", str(out)]) == 0
+    printed = capsys.readouterr().err   # analysis reports on stderr (a narrow table there: the numbers wrap)
+    assert "+5.83" in printed and "paired vs" in printed
+    table = pd.read_csv(out / "methods.csv").set_index("method")
+    assert table.loc["graft", "delta"] == pytest.approx(5.8333, abs=1e-3)
+    assert table.loc["graft", "delta lo"] == pytest.approx(2.2478, abs=1e-3)
+    assert table.loc["grpo_n8", "pair mean"] == pytest.approx(42.5) and table.loc["graft", "paired seeds"] == 3
+    assert "| graft | 3 |" in (out / "methods.md").read_text() and "\\begin{tabular}" in (out / "methods.tex").read_text()
+    # only the jobs trained 30 steps: graft seed 2 (20 steps) drops out, two pairs remain, the settings agree
+    assert main(["methods", "--tracking-uri", uri, "--where", "train.max_steps=30", "--out", str(out)]) == 0
+    table = pd.read_csv(out / "methods.csv").set_index("method")
+    assert table.loc["graft", "paired seeds"] == 2 and table.loc["graft", "seeds"] == 2
+    assert "the compared jobs have the same settings besides method and seed" in capsys.readouterr().err
+    assert main(["methods", "--tracking-uri", uri, "--where", "method=graft", "--out", str(out)]) == 2

@@ -69,43 +69,77 @@ def differing_settings(results: list) -> list[str]:
     return lines
 
 
-def _pct(mean: float, se: float) -> str:
-    return f"{100 * mean:.1f}" + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
+@dataclass
+class Comparison:
+    """One pair's comparison: a row per method (numbers, test scores as fractions) and what the jobs differ in."""
+
+    pair: str
+    reference: str
+    models: list[str]
+    rows: list[dict]
+    differ: list[str]
+
+    @property
+    def note(self) -> str:
+        return ("the compared jobs differ besides method and seed in: " + "; ".join(self.differ)) if self.differ \
+            else "the compared jobs have the same settings besides method and seed"
 
 
-def tables(results: list) -> list[tuple[Table, str]]:
-    """Per pair whose methods share seeds: the comparison table and its note (reference, what differs)."""
+def compare(results: list, reference: str | None = None) -> list[Comparison]:
+    """Per pair whose methods share seeds with the reference (``reference``, else GRPO n=8 where it ran, else the
+    first method): each method's mean and s.e. over seeds of each model's and the pair's score, its mean paired
+    difference to the reference with the 95 % interval, and its mean cost per job."""
     out = []
     for pair, rows in method_rows(results).items():
         if len(rows) < 2:
             continue
-        reference = next((r for r in rows if r.method == REFERENCE), rows[0])
-        shared = [r for r in rows if r is not reference and set(r.scores) & set(reference.scores)]
-        if not shared:
+        ref = next((r for r in rows if r.method == (reference or REFERENCE)), rows[0])
+        if not any(r is not ref and set(r.scores) & set(ref.scores) for r in rows):
             continue
-        models = reference.models
-        table = Table(title=f"{pair}: test avg % of the best checkpoints, mean ± s.e. over seeds; paired vs "
-                            f"{reference.method}", title_justify="left")
-        for column in ("method", "seeds", *models, "pair avg", f"Δ pair vs {reference.method} [95% CI]",
-                       "GPU-h / job"):
-            table.add_column(column, justify="left" if column == "method" else "right")
+        numbers = []
         for row in rows:
             seeds = sorted(row.scores, key=lambda s: (len(s), s))
-            cells = [_pct(*mean_se([row.scores[s][label] for s in seeds])) if label in row.scores[seeds[0]]
-                     else "-" for label in models]
-            both = sorted(set(row.scores) & set(reference.scores), key=lambda s: (len(s), s))
-            if row is reference:
-                delta = "reference"
-            else:
-                mean, lo, hi = paired_interval([row.scores[s]["pair"] - reference.scores[s]["pair"] for s in both])
-                delta = f"{100 * mean:+.2f}" + ("" if math.isnan(lo) else f" [{100 * lo:+.2f}, {100 * hi:+.2f}]") \
-                    + f" (n={len(both)})"
-            cost = f"{sum(row.gpu_hours) / len(row.gpu_hours):.4f}" if row.gpu_hours else "-"
-            table.add_row(row.method, str(len(seeds)), *cells, _pct(*mean_se([row.scores[s]["pair"] for s in seeds])),
-                          delta, cost)
+            both = sorted(set(row.scores) & set(ref.scores), key=lambda s: (len(s), s))
+            entry = {"pair": pair, "method": row.method, "seeds": len(seeds)}
+            for label in [*ref.models, "pair"]:
+                values = [row.scores[s][label] for s in seeds if label in row.scores[s]]
+                entry[f"{label} mean"], entry[f"{label} se"] = mean_se(values) if values else (math.nan, math.nan)
+            mean, lo, hi = paired_interval([row.scores[s]["pair"] - ref.scores[s]["pair"] for s in both]) \
+                if row is not ref else (math.nan, math.nan, math.nan)
+            entry |= {"delta": mean, "delta lo": lo, "delta hi": hi, "paired seeds": len(both),
+                      "gpu_hours per job": sum(row.gpu_hours) / len(row.gpu_hours) if row.gpu_hours else math.nan}
+            numbers.append(entry)
         compared = [job for job in results if job.pair == pair and job.status == "FINISHED"]
-        differ = differing_settings(compared)
-        note = ("the compared jobs differ besides method and seed in: " + "; ".join(differ)) if differ else \
-            "the compared jobs have the same settings besides method and seed"
-        out.append((table, note))
+        out.append(Comparison(pair, ref.method, ref.models, numbers, differing_settings(compared)))
+    return out
+
+
+def _pct(mean: float, se: float) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{100 * mean:.1f}" + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
+
+
+def delta_text(row: dict, reference: str) -> str:
+    """``+5.83 [+2.25, +9.42] (n=3)`` in points, or ``reference``."""
+    if row["method"] == reference:
+        return "reference"
+    interval = "" if math.isnan(row["delta lo"]) else f" [{100 * row['delta lo']:+.2f}, {100 * row['delta hi']:+.2f}]"
+    return f"{100 * row['delta']:+.2f}{interval} (n={row['paired seeds']})"
+
+
+def tables(results: list, reference: str | None = None) -> list[tuple[Table, str]]:
+    """The comparisons of ``compare`` as terminal tables, each with its note."""
+    out = []
+    for c in compare(results, reference):
+        table = Table(title=f"{c.pair}: test avg % of the best checkpoints, mean ± s.e. over seeds; paired vs "
+                            f"{c.reference}", title_justify="left")
+        for column in ("method", "seeds", *c.models, "pair avg", f"Δ pair vs {c.reference} [95% CI]", "GPU-h / job"):
+            table.add_column(column, justify="left" if column == "method" else "right")
+        for row in c.rows:
+            cost = row["gpu_hours per job"]
+            table.add_row(row["method"], str(row["seeds"]),
+                          *(_pct(row[f"{label} mean"], row[f"{label} se"]) for label in [*c.models, "pair"]),
+                          delta_text(row, c.reference), "-" if math.isnan(cost) else f"{cost:.4f}")
+        out.append((table, c.note))
     return out
