@@ -89,7 +89,11 @@ def end_of_turn_id(tokenizer, template: str | None = None) -> int | None:
     ends its answer with the template's end-of-turn token and, not stopped there, writes the next user turn
     itself. Special means named (``all_special_ids``) or marked special in the added-token table: Llama 3.x
     tokenizers mark ``<|eot_id|>`` special only there."""
-    after = after_the_turn(tokenizer, template)
+    return _closing_special(tokenizer, after_the_turn(tokenizer, template))
+
+
+def _closing_special(tokenizer, after: str | None) -> int | None:
+    """The first visible token of ``after`` (what a template writes after a turn) if it is special, else None."""
     ids = tokenizer.encode(after, add_special_tokens=False) if after else []
     first = next((i for i in ids if tokenizer.decode([i]).strip()), None)
     return first if first is not None and first in special_ids(tokenizer) else None
@@ -104,8 +108,8 @@ def check_prompting(tokenizer, model: str, template: str | None = None) -> None:
         raise ValueError(f"{model} has no chat template, and verl's agent loop renders every prompt with one: give "
                          "it one (backend.verl_overrides=[actor_rollout_ref.model.custom_chat_template=...]) or use "
                          "a model that ships one")
-    after = (after_the_turn(tokenizer, template) or "").strip()
-    if after and end_of_turn_id(tokenizer, template) is None:
-        raise ValueError(f"{model}'s chat template closes an assistant turn with {after[:40]!r}, which is no special "
-                         "token of its tokenizer: vLLM could not stop there. Use a template that ends turns with a "
-                         "special token (or nothing)")
+    after = after_the_turn(tokenizer, template) or ""
+    if after.strip() and _closing_special(tokenizer, after) is None:
+        raise ValueError(f"{model}'s chat template closes an assistant turn with {after.strip()[:40]!r}, which is no "
+                         "special token of its tokenizer: vLLM could not stop there. Use a template that ends turns "
+                         "with a special token (or nothing)")

@@ -216,10 +216,10 @@ def _pool(cfg: DictConfig, role: str, gpu_size: float | None) -> Pool:
     headroom = round(ALLOCATOR_HEADROOM * activations, 1)
     fraction = float(backend.gpu_memory_utilization)
     vllm = None if gpu_size is None else round(fraction * gpu_size, 1)
-    awake = sum(states.values()) + GPU_RESERVE_GB
+    resident = sum(states.values()) + GPU_RESERVE_GB
     memory = GpuMemory(**states, activations=activations, headroom=headroom, vllm_fraction=fraction, vllm=vllm,
-                       rollout=None if vllm is None else round(awake + vllm, 1),
-                       train=round(sum(states.values()) + activations + headroom + GPU_RESERVE_GB, 1), gpu=gpu_size)
+                       rollout=None if vllm is None else round(resident + vllm, 1),
+                       train=round(resident + activations + headroom, 1), gpu=gpu_size)
     tp = int(backend.rollout_tp)
     replicas = world // tp
     # vLLM sleeps at level 1 (its weights wait in host memory, bf16: a full copy per replica); offloaded
