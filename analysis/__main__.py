@@ -132,12 +132,11 @@ def cmd_methods(args) -> None:
     results = methods.job_results(MlflowClient(args.tracking_uri), args.experiment, args.where or [])
     found = comparison.compare(results, args.reference)
     if not found:
-        raise StoreUnavailable(f"no methods sharing seeds among the {len(results)} finished jobs selected "
-                               f"({', '.join(args.experiment or ['graft/*'])}{' where ' + ' '.join(args.where) if args.where else ''})")
+        raise StoreUnavailable(methods.why_no_comparison(results))
     for table, note in comparison.tables(results, args.reference):
         console.print(table)
         console.print(note)
-    paths = methods.write(found, args.out)
+    paths = methods.write(found, args.out) + methods.figure(found, args.out)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 

@@ -6,6 +6,7 @@ Everything here is display or bookkeeping; the runs themselves are identified by
 
 from __future__ import annotations
 
+from graft_exp.config import MethodConfig
 from graft_exp.methods import METHODS
 
 #: The paper's benchmark order (Table 1); benchmarks of other suites follow alphabetically.
@@ -46,7 +47,7 @@ PAPER_PAIRS = ("pair1", "pair2", "pair3")
 STUDY_PAIR = "pair1"
 
 #: The paper's default compatibility threshold; a ``graft`` run with another ``method.delta`` is a sweep point.
-DEFAULT_DELTA = 0.8
+DEFAULT_DELTA = MethodConfig.delta
 DELTA_PARAM = "method.delta"
 #: In a group of K > 2 models each receiver learns from all its peers at once; the source rule picks among
 #: peers that solved the same prompt, so each rule is its own method key (:func:`all_peers_method`).

@@ -27,12 +27,12 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from graft_exp import schema
-from graft_exp.intervals import paired_interval
+from graft_exp.intervals import paired_interval, rliable_measures
+from graft_exp.scores import checkpoint_score, job_score
 
 UNTIL_DECIDED = "until-decided"
 #: Params that set the budget (or only the study's name): equal-steps twins differ from a budgeted job only there.
 BUDGET_PARAMS = ("train.max_gpu_hours", "train.gpu_hours_of", "study")
-BOOTSTRAP_REPS = 2000
 
 
 def _experiments(client: MlflowClient, names: list[str] | None) -> list[str]:
@@ -55,24 +55,6 @@ def rounds(client: MlflowClient, run_id: str, folder: Path) -> list[dict]:
     local = Path(client.download_artifacts(run_id, "rounds", str(folder)))
     files = sorted(local.glob("round_*.json"), key=lambda p: int(p.stem.split("_")[1]))
     return [json.loads(p.read_text()) for p in files]
-
-
-def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, float]:
-    """Probability of improvement (method over reference) and both IQMs, each with its 95%
-    stratified-bootstrap interval (``rliable``; one task: the pair average)."""
-    from rliable import library as rly
-    from rliable import metrics
-
-    x, y = method.reshape(-1, 1), reference.reshape(-1, 1)
-    iqm = lambda scores: np.array([metrics.aggregate_iqm(scores)])
-    points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
-    poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
-                                                   reps=BOOTSTRAP_REPS)
-    (poi,), (poi_lo, poi_hi) = np.ravel(poi_point["p"]), np.ravel(poi_ci["p"])   # one task: shapes (1,), (2, 1)
-    return {"P(improve)": float(poi), "P(improve) lo": float(poi_lo), "P(improve) hi": float(poi_hi),
-            "IQM method": float(points["m"][0]), "IQM method lo": float(cis["m"][0, 0]),
-            "IQM method hi": float(cis["m"][1, 0]),
-            "IQM ref": float(points["r"][0]), "IQM ref lo": float(cis["r"][0, 0]), "IQM ref hi": float(cis["r"][1, 0])}
 
 
 def verdicts(client: MlflowClient, run, folder: Path) -> pd.DataFrame:
@@ -110,7 +92,7 @@ def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
             history = client.get_metric_history(run.info.run_id, schema.TEST + "avg")
             if history:
                 parent = run.data.tags.get("mlflow.parentRunId")
-                models.setdefault(parent, []).append(100 * float(np.mean([m.value for m in history])))
+                models.setdefault(parent, []).append(100 * checkpoint_score([m.value for m in history]))
     rows = []
     for run in runs:
         tags = run.data.tags
@@ -124,7 +106,7 @@ def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
                      "budget": float(tags[schema.BUDGET]) if schema.BUDGET in tags else math.nan,
                      "steps": int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else math.nan,
                      "gpu_hours": run.data.metrics.get(schema.GPU_HOURS, math.nan),
-                     "score": float(np.mean(models[run.info.run_id])),
+                     "score": job_score(models[run.info.run_id]),
                      "setting": json.dumps({k: v for k, v in sorted(run.data.params.items())
                                             if k not in BUDGET_PARAMS}, sort_keys=True)})
     return pd.DataFrame(rows)

@@ -5,6 +5,7 @@ each, a block per pair), and printed."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 
@@ -30,15 +31,39 @@ def job_results(client: MlflowClient, experiments: list[str] | None, where: list
         filters.append((key, value))
     ids = list(graft_experiments(client, experiments))
     runs = client.search_runs(ids, "attributes.status = 'FINISHED'", max_results=50000) if ids else []
+    jobs = [run for run in runs if "mlflow.parentRunId" not in run.data.tags and schema.RUN_KEY in run.data.tags
+            and ANALYSIS_TAG not in run.data.tags]
+    known = {k for run in jobs for k in run.data.params} | set(TAG_FILTERS)
+    for key, _ in filters:
+        if jobs and key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=3) or sorted(known)[:4]
+            raise StoreUnavailable(f"--where {key}: no job has that setting (e.g. {', '.join(near)})")
     results = []
-    for run in runs:
+    for run in jobs:
         tags, params = run.data.tags, run.data.params
-        if "mlflow.parentRunId" in tags or schema.RUN_KEY not in tags or ANALYSIS_TAG in tags:
-            continue
         if all(params.get(k, tags.get(TAG_FILTERS.get(k, ""))) == v for k, v in filters):
             label = f"{tags.get(schema.METHOD)} seed {tags.get(schema.SEED)}"
             results.append(summary.job_result(client, run, label))
+    if not results:
+        raise StoreUnavailable(f"no finished job matches: {len(jobs)} finished jobs in "
+                               f"{', '.join(experiments or ['graft/*'])}" + (f", none with {' '.join(where)}" if where else ""))
     return sorted(results, key=lambda r: (r.pair, r.method, len(r.seed), r.seed))
+
+
+def why_no_comparison(results: list) -> str:
+    """Why the jobs ``results`` give no comparison: one method only, or methods that share no seed."""
+    methods: dict[str, set[str]] = {}
+    for job in results:
+        if job.status == "FINISHED" and job.pair_score is not None:
+            methods.setdefault(job.method, set()).add(job.seed)
+    if not methods:
+        return (f"none of the {len(results)} finished jobs selected has a final test score of each model "
+                "(test/avg): they stopped before their final evaluation")
+    if len(methods) < 2:
+        return (f"the {len(results)} finished jobs selected are all method={next(iter(methods))}: a comparison "
+                "needs two methods (add --experiment, or loosen --where)")
+    listed = "; ".join(f"{m} (seeds {', '.join(sorted(s, key=lambda x: (len(x), x)))})" for m, s in methods.items())
+    return f"the methods share no seed: {listed}; run them with the same seeds (seed=0,1,2)"
 
 
 def frame(comparisons: list[comparison.Comparison]) -> pd.DataFrame:
@@ -51,6 +76,41 @@ def frame(comparisons: list[comparison.Comparison]) -> pd.DataFrame:
                                 else v) for k, v in row.items() if k != "pair"},
                          "differs in": "; ".join(c.differ)})
     return pd.DataFrame(rows)
+
+
+def figure(comparisons: list[comparison.Comparison], out: Path) -> list[Path]:
+    """``methods.png``/``.pdf`` (and ``methods_points.csv``): per pair, each job's pair score by method, a point per
+    seed and a line joining one seed's jobs (the pairing the differences use); beside it each method's mean paired
+    difference from the reference with its 95 % Student-t interval."""
+    from analysis.figures import COLORS, _save, plt
+
+    fig, axes = plt.subplots(len(comparisons), 2, figsize=(10, 3.6 * len(comparisons)), squeeze=False)
+    points = []
+    for (scores_ax, delta_ax), c in zip(axes, comparisons):
+        methods = [c.reference] + [row["method"] for row in c.rows if row["method"] != c.reference]
+        seeds = sorted({seed for by_seed in c.pair_scores.values() for seed in by_seed}, key=lambda s: (len(s), s))
+        for j, seed in enumerate(seeds):
+            shift = 0.06 * (j - (len(seeds) - 1) / 2)   # seeds side by side: equal scores stay visible
+            xs = [i for i, m in enumerate(methods) if seed in c.pair_scores[m]]
+            ys = [100 * c.pair_scores[methods[i]][seed] for i in xs]
+            scores_ax.plot([x + shift for x in xs], ys, color="#b0b7bf", lw=0.8, zorder=1)
+            scores_ax.scatter([x + shift for x in xs], ys, color=[COLORS.get(methods[i], "#c0392b") for i in xs],
+                              s=22, zorder=2)
+            points += [{"pair": c.pair, "method": methods[i], "seed": seed, "pair score %": y} for i, y in zip(xs, ys)]
+        scores_ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+        scores_ax.set_ylabel("pair avg test score (%)")
+        scores_ax.set_title(f"{c.pair}: each seed's jobs, joined", fontsize=10)
+        others = [row for row in c.rows if row["method"] != c.reference]
+        for i, row in enumerate(others):
+            mean, lo, hi = (100 * row[k] for k in ("delta", "delta lo", "delta hi"))
+            err = [[mean - lo], [hi - mean]] if not math.isnan(lo) else None
+            delta_ax.errorbar([mean], [i], xerr=err, fmt="o", color=COLORS.get(row["method"], "#c0392b"), capsize=4)
+        delta_ax.axvline(0, color="#555", lw=0.8, ls="--")
+        delta_ax.set_yticks(range(len(others)), [row["method"] for row in others])
+        delta_ax.set_xlabel(f"paired difference vs {c.reference} (points), 95% t-interval")
+        delta_ax.set_title(f"{c.pair}: against {c.reference}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out, "methods_figure", pd.DataFrame(points) if points else None)
 
 
 def _cell(value) -> str:
@@ -67,7 +127,8 @@ def write(comparisons: list[comparison.Comparison], out: Path) -> list[Path]:
     md, tex = [], []
     for c in comparisons:
         columns = ["method", "seeds", *(f"{m} mean" for m in [*c.models, "pair"]), "delta", "delta lo", "delta hi",
-                   "paired seeds", "gpu_hours per job"]
+                   "paired seeds", "gpu_hours per job",
+                   *(("budget gpu_hours", "steps min", "steps max") if c.equal_compute else ())]
         rows = table[table["pair"] == c.pair]
         title = (f"**{c.pair}** (vs {c.reference}; test avg %, mean over seeds; delta: paired, 95 % t-interval; "
                  f"{c.note})")

@@ -14,6 +14,7 @@ import pandas as pd
 
 from analysis import catalog, rules
 from analysis.results import Analysis, Missing
+from graft_exp.scores import job_score
 
 AVG = rules.AVG
 log = logging.getLogger("analysis")
@@ -568,7 +569,7 @@ def compute_seeds(a: Analysis) -> Table:
                     continue
                 run_a, run_b = found[model_a], found[model_b]
                 costs = compute_costs(a, method, model_a, model_b, run_a, run_b)
-                avg = (a.scores(run_a, table.benches).mean() + a.scores(run_b, table.benches).mean()) / 2
+                avg = job_score([a.scores(run_a, table.benches).mean(), a.scores(run_b, table.benches).mean()])
                 records[seed] = {**avg.to_dict(), "joint_gpuh_best": costs["joint_gpuh_best"],
                                  "joint_gpuh_full": costs["joint_gpuh_full"]}
             per_method[method] = pd.DataFrame.from_dict(records, orient="index",

@@ -206,6 +206,7 @@ class RootConfig:
     study: str = MISSING
     rerun: bool = MISSING
     checkpoint_root: str = MISSING
+    compare_to: str | None = None   # the method a multirun's comparison measures the others against
     pair: PairConfig = MISSING
     method: Any = MISSING
     backend: Any = MISSING
@@ -391,7 +392,7 @@ def validate_method(cfg: DictConfig) -> None:
     if method.n < 2:
         raise ConfigError(f"method.n={method.n}: GRPO needs at least 2 rollouts per prompt (n >= 2)")
     if not 0.0 <= method.delta <= 1.0:
-        raise ConfigError(f"method.delta={method.delta} is outside [0, 1]; the paper uses 0.8")
+        raise ConfigError(f"method.delta={method.delta} is outside [0, 1]; the paper uses {MethodConfig.delta}")
     if method.clip_low < 0 or method.clip_high < 0 or method.clip_low >= 1:
         raise ConfigError(
             f"clip range (1-{method.clip_low}, 1+{method.clip_high}) is invalid; "
@@ -455,6 +456,12 @@ def validate_backend(cfg: DictConfig) -> None:
         if pair.data != "tiny_arith" or len(tiny_models) < len(members):
             raise ConfigError(f"backend=local trains the tiny models on the generated task (pair=tiny); "
                               f"pair={pair.name} needs GPUs: use backend=verl")
+        from graft_exp.tiny.models import RECIPES  # torch's import: only for jobs that train here
+
+        chat = [key for key in tiny_models if key not in RECIPES]
+        if chat:
+            raise ConfigError(f"backend=local trains the tiny models in their own prompt format; {chat[0]} is "
+                              f"prompted through a chat template, which verl renders: use backend=verl")
         _choice(backend.device, LOCAL_DEVICES, "backend.device")
         _choice(backend.sampler, LOCAL_SAMPLERS, "backend.sampler")
         _at_least(backend, "backend", 1, "threads", optional=True)
@@ -576,6 +583,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"{pair.name} names {twice[0]!r} twice; co-trained models must be different models")
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    if cfg.get("compare_to") is not None and cfg.compare_to not in methods.METHODS:
+        raise ConfigError(f"compare_to={cfg.compare_to} is not a method; choose one of "
+                          f"{', '.join(sorted(methods.METHODS))} (or null: grpo_n8 where it ran, else the first)")
     if not str(cfg.study).strip():
         raise ConfigError("study is empty; name the study (MLflow experiment graft/<study>), e.g. study=default")
     validate_finite(cfg)

@@ -1,6 +1,7 @@
 """The one paired interval every comparison of this project reports: the Student-t interval of a mean difference
 over seeds (the job summary's comparison, ``python -m analysis`` tables and decisions, the sweep's adjusted
-intervals of ``--until-decided``)."""
+intervals of ``--until-decided``); and rliable's probability of improvement and IQM beside it (Agarwal et al.,
+"Deep RL at the edge of the statistical precipice", 2021), where there are enough seeds."""
 
 from __future__ import annotations
 
@@ -27,3 +28,25 @@ def paired_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float,
     mean = float(diffs.mean()) if len(diffs) else math.nan
     half = t_halfwidth(diffs, level)
     return mean, mean - half, mean + half
+
+
+#: Stratified-bootstrap resamples of rliable's intervals.
+BOOTSTRAP_REPS = 2000
+
+
+def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """Probability of improvement (method over reference) and both IQMs, each with its 95%
+    stratified-bootstrap interval (``rliable``; one task: the pair average)."""
+    from rliable import library as rly
+    from rliable import metrics
+
+    x, y = method.reshape(-1, 1), reference.reshape(-1, 1)
+    iqm = lambda scores: np.array([metrics.aggregate_iqm(scores)])
+    points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
+    poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
+                                                   reps=BOOTSTRAP_REPS)
+    (poi,), (poi_lo, poi_hi) = np.ravel(poi_point["p"]), np.ravel(poi_ci["p"])   # one task: shapes (1,), (2, 1)
+    return {"P(improve)": float(poi), "P(improve) lo": float(poi_lo), "P(improve) hi": float(poi_hi),
+            "IQM method": float(points["m"][0]), "IQM method lo": float(cis["m"][0, 0]),
+            "IQM method hi": float(cis["m"][1, 0]),
+            "IQM ref": float(points["r"][0]), "IQM ref lo": float(cis["r"][0, 0]), "IQM ref hi": float(cis["r"][1, 0])}

@@ -344,9 +344,9 @@ class Method:
 
 
 def check_params(method) -> None:
-    """``method.params`` holds exactly the keys the method's components declared (a misspelt or missing
-    one raises UnknownName naming the keys they read)."""
-    declared = {param: table for table in COMPONENTS for param in table.params.get(table.chosen(method), ())}
+    """``method.params`` holds exactly the keys the method's components declared, each of the type and in the
+    range its rule declared (otherwise UnknownName, naming the keys they read or the range)."""
+    declared = {param: table for table in COMPONENTS for param in table.params.get(table.chosen(method), {})}
     given = set(method.get("params") or {})
     unread = sorted(given - set(declared))
     if unread:
@@ -357,6 +357,11 @@ def check_params(method) -> None:
         table = declared[missing[0]]
         raise UnknownName(f"{table.key}={table.chosen(method)} reads method.params.{missing[0]}; set it in "
                           f"conf/method/{method.name}.yaml (params: {{{missing[0]}: ...}})")
+    for param, table in declared.items():
+        spec, value = table.params[table.chosen(method)][param], method.params[param]
+        if not spec.accepts(value):
+            raise UnknownName(f"method.params.{param}={'null' if value is None else value}: "
+                              f"{table.key}={table.chosen(method)} needs {spec.describe()}")
 
 
 def resolve(method) -> Method:

@@ -65,9 +65,9 @@ def test_compatibility_weight_rejects_delta_outside_unit_interval(delta):
 
 def test_compatibility_weight_rejects_bad_scores():
     with pytest.raises(ValueError, match="NaN"):
-        compatibility_weight(torch.tensor([float("nan")]))
+        compatibility_weight(torch.tensor([float("nan")]), 0.8)
     with pytest.raises(ValueError, match=">= 0"):
-        compatibility_weight(torch.tensor([-0.1]))
+        compatibility_weight(torch.tensor([-0.1]), 0.8)
 
 
 def test_random_admission_admits_exactly_the_gated_count_without_floor():

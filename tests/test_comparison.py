@@ -18,12 +18,12 @@ SCORES = {("grpo_n8", 0): ((0.40, 0.50), (0.30, 0.30)), ("grpo_n8", 1): ((0.50, 
           ("graft", 1): ((0.60, 0.60), (0.40, 0.40)), ("graft", 2): ((0.50, 0.60), (0.40, 0.50))}
 
 
-def write_store(new_store, tmp_path) -> tuple[str, list[tuple[str, str]]]:
+def write_store(new_store, tmp_path, scores=SCORES) -> tuple[str, list[tuple[str, str]]]:
     uri = new_store(tmp_path)
     client = MlflowClient(uri)
     exp = client.create_experiment("graft/compare")
     jobs = []
-    for (method, seed), models in SCORES.items():
+    for (method, seed), models in scores.items():
         key = f"{method}-{seed}"
         steps = "20" if (method, seed) == ("graft", 2) else "30"
         job = client.create_run(exp, tags={"graft.run_key": key, "graft.method": method, "graft.seed": str(seed),
@@ -48,12 +48,15 @@ def test_the_comparison_is_the_hand_computed_one(new_store, tmp_path, capsys):
     out = capsys.readouterr().out
     # by seed, GRPO n=8: A 0.45, 0.50, 0.55 (s.d. 0.05, s.e. 0.0289); B 0.30, 0.40, 0.35; pair 0.375, 0.45, 0.45
     # (s.d. 0.0433, s.e. 0.025). GRAFT: A 0.50, 0.60, 0.55; B 0.40, 0.40, 0.45; pair 0.45, 0.50, 0.50
-    assert re.search(r"grpo_n8 +│ +3 │ +50\.0 ± 2\.9 │ +35\.0 ± 2\.9 │ +42\.5 ± 2\.5 │ +reference │ +0\.0100", out), out
+    assert re.search(r"grpo_n8 +│ +3 │ +50\.0 ± 2\.9 │ +35\.0 ± 2\.9 │ +42\.5 ± 2\.5 │ +reference │ +- │ +0\.0100", out), out
     assert re.search(r"graft +│ +3 │ +55\.0 ± 2\.9 │ +41\.7 ± 1\.7 │ +48\.3 ± 1\.7 │", out), out
     # paired differences 0.075, 0.05, 0.05: mean 0.0583, s.d. 0.01443, s.e. 0.00833; t(0.975, 2) = 4.302653
     half = 4.302653 * 0.0144338 / 3 ** 0.5
     assert f"+5.83 [{100 * (0.058333 - half):+.2f}, {100 * (0.058333 + half):+.2f}] (n=3)" in out, out
     assert "+5.83 [+2.25, +9.42] (n=3)" in out and "0.0200" in out
+    # rliable's probability of improvement over the 3 x 3 pairs of seeds' pair scores, ties counted half:
+    # 0.45 beats 0.375 and ties 0.45 twice (2), each 0.50 beats all three (3 + 3): 8 / 9
+    assert re.search(r"\(n=3\) │ +0\.89 │", out), out
     assert "the compared jobs differ besides method and seed in: train.max_steps: 20, 30" in out
 
 
@@ -88,3 +91,62 @@ def test_analysis_methods_writes_the_same_comparison_for_selected_runs(new_store
     assert table.loc["graft", "paired seeds"] == 2 and table.loc["graft", "seeds"] == 2
     assert "the compared jobs have the same settings besides method and seed" in capsys.readouterr().err
     assert main(["methods", "--tracking-uri", uri, "--where", "method=graft", "--out", str(out)]) == 2
+
+
+def test_the_reference_is_the_setting_s(new_store, tmp_path, capsys):
+    """``compare_to`` (the multirun's and the sweep's reference): each method against it."""
+    uri, jobs = write_store(new_store, tmp_path)
+    summary.print_jobs(uri, jobs, "multirun of 6 jobs: results", reference="graft")
+    out = capsys.readouterr().out
+    assert "paired vs graft" in out and "-5.83 [-9.42, -2.25] (n=3)" in out
+    assert re.search(r"graft +│ +3 │ .*│ +reference │", out), out
+
+
+@pytest.mark.parametrize(("scores", "where", "said"), [
+    (SCORES, ["--where", "train.max_step=30"], r"--where train.max_step: no job has that setting \(e.g. train.max_steps"),
+    (SCORES, ["--where", "train.max_steps=7"], (r"no finished job matches: 6 finished jobs in graft/\*, none with "
+                                              r"train.max_steps=7")),
+    (SCORES, ["--where", "method=graft"], r"the 3 finished jobs selected are all method=graft: a comparison needs two"),
+    ({k: v for k, v in SCORES.items() if (k[0] == "graft") == (k[1] == 2)}, [],
+     r"the methods share no seed: graft \(seeds 2\); grpo_n8 \(seeds 0, 1\); run them with the same seeds"),
+])
+def test_analysis_methods_says_why_there_is_nothing_to_compare(new_store, tmp_path, capsys, scores, where, said):
+    from analysis.__main__ import main
+
+    uri, _ = write_store(new_store, tmp_path, scores)
+    out = tmp_path / "reports"
+    assert main(["methods", "--tracking-uri", uri, *where, "--out", str(out)]) == 2
+    printed = " ".join(capsys.readouterr().err.split())
+    assert re.search(said, printed), printed
+    assert "Traceback" not in printed and not out.exists()
+
+
+def test_analysis_methods_draws_each_seed_and_the_interval(new_store, tmp_path):
+    import pandas as pd
+
+    from analysis.__main__ import main
+
+    uri, _ = write_store(new_store, tmp_path)
+    out = tmp_path / "reports"
+    assert main(["methods", "--tracking-uri", uri, "--out", str(out)]) == 0
+    assert (out / "methods_figure.png").read_bytes()[:4] == b"\x89PNG" and (out / "methods_figure.pdf").stat().st_size
+    points = pd.read_csv(out / "methods_figure.csv")
+    assert len(points) == 6 and sorted(points["pair score %"].round(2)) == [37.5, 45.0, 45.0, 45.0, 50.0, 50.0]
+
+
+def test_jobs_under_a_budget_show_what_it_bought(new_store, tmp_path, capsys):
+    """Jobs that ran under a GPU-hour budget (equal compute, App. D): the comparison says so and shows the budget
+    and the steps it bought per method."""
+    from graft_exp import schema
+
+    uri, jobs = write_store(new_store, tmp_path)
+    client = MlflowClient(uri)
+    for _, key in jobs:
+        run = tracking.find_run(client, key)
+        client.set_tag(run.info.run_id, schema.BUDGET, "0.01")
+        client.set_tag(run.info.run_id, schema.LAST_STEP, "12" if key.startswith("graft") else "20")
+    summary.print_jobs(uri, jobs, "multirun of 6 jobs: results")
+    out = capsys.readouterr().out
+    assert "at equal compute: each job trained until its GPU-hour budget ran out" in out
+    assert re.search(r"graft +│ +3 │ .* │ +0\.0200 │ +0\.0100 │ +12-12 │", out), out
+    assert re.search(r"grpo_n8 +│ +3 │ .* │ +0\.0100 │ +0\.0100 │ +20-20 │", out), out

@@ -137,7 +137,7 @@ def test_rounds_plan_only_undecided_methods_and_mlflow_records_them(tmp_path, mo
 def test_rliable_measures_of_one_task():
     """rliable's probability of improvement and IQMs of one task (the pair average), with intervals: a
     method ahead on every seed improves with probability 1; the IQM of 8 seeds is the mean of the middle 4."""
-    from analysis.decisions import rliable_measures
+    from graft_exp.intervals import rliable_measures
 
     reference = np.arange(8, dtype=float)
     out = rliable_measures(reference + 10, reference)

@@ -40,7 +40,7 @@ def multirun(tmp_path, store_template, *overrides):
 def test_jobs_of_a_multirun_overlap_and_finish(tmp_path, store_template):
     if joblib.cpu_count() < 2:
         pytest.skip("one core: the joblib launcher runs one job at a time")
-    output, jobs = multirun(tmp_path, store_template, "method=graft,sgt")
+    output, jobs = multirun(tmp_path, store_template, "method=graft,sgt", "compare_to=sgt")
     assert "n_jobs=-1" in output and "is launching 2 jobs" in output
     assert list(jobs["status"]) == ["FINISHED", "FINISHED"], output[-4000:]
     first, second = jobs.to_dict("records")
@@ -49,9 +49,36 @@ def test_jobs_of_a_multirun_overlap_and_finish(tmp_path, store_template):
     assert "multirun of 2 jobs: results" in output
     assert re.search(r"#0 method=graft +│ finished +│ A tiny-char-llama", output), output[-4000:]
     assert re.search(r"#1 method=sgt +│ finished +│ A tiny-char-llama", output), output[-4000:]
+    # ... then the comparison it was run for, against compare_to's method; `python -m analysis methods` gives the
+    # same from the store: each job's pair score the mean of its models' mean test/avg over evaluation runs.
+    assert re.search(r"tiny: test avg % .* paired vs\s+sgt", output), output[-4000:]
+    check_the_comparison_of(tmp_path, jobs)
     # The jobs share the cores, one each: each job's models take turns on its core.
     job_logs = [p.read_text() for p in (tmp_path / "multirun").glob("*/__main__.log")]
     assert len(job_logs) == 2 and all("the models take turns" in text for text in job_logs), job_logs
+
+
+def check_the_comparison_of(tmp_path, jobs) -> None:
+    """``python -m analysis methods`` on a multirun's store: graft against sgt, by hand from MLflow's histories."""
+    import pandas as pd
+
+    from analysis.__main__ import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    pair = {}
+    for run_id, method in zip(jobs["run_id"], jobs["method"]):
+        children = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                      f"tags.`mlflow.parentRunId` = '{run_id}'")
+        means = [sum(m.value for m in h) / len(h) for h in
+                 (client.get_metric_history(c.info.run_id, "test/avg") for c in children)]
+        pair[method] = sum(means) / len(means)
+    out = tmp_path / "methods"
+    assert main(["methods", "--tracking-uri", uri, "--reference", "sgt", "--out", str(out)]) == 0
+    table = pd.read_csv(out / "methods.csv").set_index("method")
+    assert table.loc["graft", "delta"] == pytest.approx(100 * (pair["graft"] - pair["sgt"]), abs=1e-6)
+    assert table.loc["sgt", "pair mean"] == pytest.approx(100 * pair["sgt"], abs=1e-6)
+    assert table.loc["graft", "paired seeds"] == 1 and (out / "methods_figure.png").stat().st_size > 0
 
 
 @pytest.mark.slow

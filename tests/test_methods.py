@@ -20,6 +20,7 @@ from graft_exp.algorithms import (
 )
 from graft_exp.config import ConfigError, HacpoConfig, MethodConfig, validate
 from graft_exp.objective import OBJECTIVES, LossSpec
+from graft_exp.registry import RuleParam
 
 
 def method_config(**overrides):
@@ -164,7 +165,7 @@ def test_a_rule_reads_its_parameters_from_the_method_config(request, compose_cfg
         fraction = float(method.params.min_solved)
         keep = lambda k_s, k_r, n: complementary_candidates(k_s, k_r, n) & (k_s >= fraction * n)
         return methods.Selection(lambda k_a, k_b, n, g: (keep(k_a, k_b, n), keep(k_b, k_a, n)))
-    methods.SELECTIONS.register("at_least", at_least, params=("min_solved",))
+    methods.SELECTIONS.register("at_least", at_least, params={"min_solved": RuleParam(float, 0.0, 1.0)})
     request.addfinalizer(lambda: (methods.SELECTIONS.pop("at_least"), methods.SELECTIONS.params.pop("at_least")))
     # eq. (3): the receiver solved none, the source 1..7 of 8; then at least min_solved x 8 of them
     k_a, k_b = torch.tensor([7, 3, 5, 0]), torch.tensor([0, 0, 0, 4])
@@ -179,7 +180,27 @@ def test_a_rule_reads_its_parameters_from_the_method_config(request, compose_cfg
         methods.resolve(method_config(selection="at_least", params={"min_solved": 0.5, "min_solvd": 0.5}))
     with pytest.raises(methods.UnknownName, match=r"method.params.x is read by none of test's rules; they read: nothing"):
         methods.resolve(method_config(params={"x": 1}))
+    # typed at registration: a value outside its range, of another type or null is named with the range
+    for value, shown in ((1.5, "1.5"), ("abc", "abc"), (None, "null"), (True, "True"), (float("nan"), "nan")):
+        with pytest.raises(methods.UnknownName, match=rf"method.params.min_solved={shown}: method.selection=at_least "
+                                                      r"needs a number in \[0, 1\]"):
+            methods.resolve(method_config(selection="at_least", params={"min_solved": value}))
+    methods.resolve(method_config(selection="at_least", params={"min_solved": 1}))   # an int is a number
+    # ... before anything exists: validation's one line, from the command line's spelling
+    for bad in ("1.5", "abc", "null"):
+        with pytest.raises(ConfigError, match=rf"method.params.min_solved={bad}: .* needs a number in \[0, 1\]"):
+            validate(compose_cfg("method.selection=at_least", f"+method.params.min_solved={bad}"))
     cfg = compose_cfg()
     with_params = compose_cfg("method.selection=at_least", "+method.params.min_solved=0.5")
     assert run_key(compose_cfg("method.selection=at_least")) == run_key(OmegaConf.merge(cfg, {"method": {"selection": "at_least"}}))
     assert run_key(with_params) != run_key(compose_cfg("method.selection=at_least"))
+
+
+def test_a_rule_parameter_declares_its_type_and_range():
+    assert RuleParam(int, 1).accepts(3) and not RuleParam(int, 1).accepts(2.5) and not RuleParam(int, 1).accepts(0)
+    assert RuleParam(int, 1).describe() == "an integer >= 1" and RuleParam(bool).describe() == "true or false"
+    assert RuleParam(bool).accepts(False) and not RuleParam(bool).accepts(0)
+    assert RuleParam(float, high=0.5).describe() == "a number <= 0.5" and RuleParam().accepts(-1e9)
+    with pytest.raises(TypeError, match="params maps each name to a RuleParam"):
+        methods.SELECTIONS.register("untyped", lambda method: None, params={"x": float})
+    assert "untyped" not in methods.SELECTIONS

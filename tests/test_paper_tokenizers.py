@@ -1,4 +1,4 @@
-"""The paper models at their seams, on their real vocabularies built offline (tests/support/paper_tokenizers.py):
+"""The paper models at their seams, on their real vocabularies built offline (graft_exp/tiny/paper_vocab.py):
 stop tokens (docs/verl.md's table), the end of turn a Llama 3 tokenizer marks special only in its added-token
 table, chat templates refused before a job starts, prompts pinned to the job's date, and peer responses
 re-tokenized between the Qwen and Llama 3 vocabularies on real solutions."""
@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
-from support.paper_tokenizers import DATA, SNAPSHOTS, build, why_unavailable
 from transformers import GenerationConfig
 
 from graft_exp import prompts
 from graft_exp.cache import cache_dir
 from graft_exp.reward import reward
+from graft_exp.tiny.paper_vocab import SNAPSHOTS, TEMPLATES, build, why_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow,
@@ -32,9 +32,9 @@ def tokenizers():
 
 
 def with_template(tokenizer, name: str):
-    """A copy of ``tokenizer`` with the chat template ``name`` of tests/data/paper_tokenizers."""
+    """A copy of ``tokenizer`` with the chat template ``name`` of graft_exp/tiny/templates."""
     clone = copy.deepcopy(tokenizer)
-    clone.chat_template = (DATA / name).read_text()
+    clone.chat_template = (TEMPLATES / name).read_text()
     return clone
 
 
@@ -153,3 +153,66 @@ def test_peer_responses_cross_the_real_vocabularies(tokenizers, donor, receiver)
     # the vocabularies split numbers differently: one digit a piece (Qwen), up to three (Llama 3)
     qwen, llama = tokenizers["qwen3-1.7b-base"], tokenizers["octothinker-3b-hybrid-base"]
     assert len(qwen.tokenize("2026")) == 4 and len(llama.tokenize("2026")) == 2
+
+
+# ------------------------------------------------------------------ tiny models over the real vocabularies
+def test_a_paper_vocabulary_model_widens_to_the_distribution_it_trained(tmp_path, monkeypatch):
+    """A task-token model (the task's tokens plus one row for the rest of the vocabulary, its logit + log(rest))
+    widened to the whole vocabulary gives every task token the probability it trained and the rest together that
+    of the rest row, on a prompt and answer as the model sees them (Llama 3.2's template, its end of turn)."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from graft_exp.tiny import models as tiny
+    from graft_exp.tiny.task import benchmark
+
+    monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
+    recipe = dataclasses.replace(tiny.PAPER_VOCAB_RECIPES["tiny-llama3-vocab"], steps=3, batch=4, hidden=32,
+                                 heads=1, layers=1, intermediate=64)
+    tokenizer = tiny.build_tokenizer(recipe)
+    small, used = tiny.warm_start_over_task_tokens(recipe, tokenizer)
+    wide = tiny.widen(recipe, tokenizer, small, used)
+    assert wide.config.vocab_size == 128256 and wide.generation_config.eos_token_id == 128001
+    prompt, answer = tiny.chat_rows(tokenizer, benchmark("add", tiny.EVAL_SIZE)[:1])[0]
+    assert answer[-1] == tokenizer.convert_tokens_to_ids("<|eot_id|>") and set(prompt + answer) <= set(used)
+    ids = torch.tensor([prompt + answer])
+    to_subset = {real: i for i, real in enumerate(used)}
+    with torch.no_grad():
+        # in float64: a float32 sum over 128k entries is off by ~1e-4, the models' own logits are not
+        trained = small(torch.tensor([[to_subset[i] for i in prompt + answer]])).logits[0].double()
+        trained[:, -1] += math.log(128256 - len(used))
+        trained = torch.log_softmax(trained, -1)
+        whole = torch.log_softmax(wide(ids).logits[0].double(), -1)
+    rest = torch.ones(128256, dtype=torch.bool)
+    rest[used] = False
+    assert torch.allclose(whole[:, used], trained[:, :-1], atol=1e-5)
+    assert torch.allclose(torch.logsumexp(whole[:, rest], -1), trained[:, -1], atol=1e-5)
+
+
+def test_the_shipped_paper_vocabulary_models_match_their_recipes_and_solve_the_task():
+    """Each shipped task-token model matches its recipe; widened (once per machine, into the cache), it solves
+    tiny problems through its chat template on the whole vocabulary (greedy, 8 per skill). That the pair's
+    models solve what the other fails is the vLLM tier's: GRAFT exchanges both ways there."""
+    import torch
+
+    from graft_exp.tiny import models as tiny
+    from graft_exp.tiny.task import SKILLS, benchmark
+
+    solved = {}
+    for key, recipe in tiny.PAPER_VOCAB_RECIPES.items():
+        assert (tiny.ASSETS / key / tiny.HASH_FILE).read_text().strip() == tiny.recipe_hash(recipe), key
+        model, tokenizer = tiny.load(key, progress=False)
+        assert model.config.vocab_size == SNAPSHOTS[recipe.extra["snapshot"]].vocab_size
+        torch.manual_seed(0)
+        for skill in SKILLS:
+            problems = benchmark(skill, tiny.EVAL_SIZE)[:8]
+            for problem, (prompt, _) in zip(problems, tiny.chat_rows(tokenizer, problems)):
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                     pad_token_id=tokenizer.eos_token_id)
+                text = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+                solved[key, skill] = solved.get((key, skill), 0) + reward(text, problem.answer)
+    print(solved)
+    for key in tiny.PAPER_VOCAB_RECIPES:
+        assert sum(solved[key, skill] for skill in SKILLS) >= 3, (key, solved)

@@ -63,7 +63,7 @@ def _check_scores(score: torch.Tensor) -> None:
         raise ValueError("score must be >= 0 (it is an exponential of a log-prob difference)")
 
 
-def compatibility_weight(score: torch.Tensor, delta: float = 0.8) -> torch.Tensor:
+def compatibility_weight(score: torch.Tensor, delta: float) -> torch.Tensor:
     """w = 1[s > delta] * min(s, 1) (eq. 9). s exactly at delta is dropped (weight 0); s > 1 is capped
     at 1. ``delta = 0`` is the no-floor variant (every response admitted with weight min(s, 1))."""
     _check_scores(score)

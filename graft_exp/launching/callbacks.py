@@ -367,7 +367,8 @@ class LaunchCallback(Callback):
             for uri in sorted({job.cfg.tracking.uri for job in _planned}):
                 labels = [(f"#{job.index} {' '.join(swept[job.index]) or 'defaults'}", job.key)
                           for job in _planned if job.cfg.tracking.uri == uri]
-                summary.print_jobs(uri, labels, f"multirun of {len(_planned)} jobs: results")
+                summary.print_jobs(uri, labels, f"multirun of {len(_planned)} jobs: results",
+                                   reference=_planned[0].cfg.compare_to if _planned else None)
         _planned.clear()
         for (uri, _), experiment_id in sorted(_experiments.items()):
             log.info(tracking.compare_hint(uri, experiment_id))

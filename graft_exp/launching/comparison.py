@@ -1,9 +1,11 @@
 """The comparison a multirun or a sweep was run for, printed below its jobs table wherever methods share seeds: per
 pair and method the mean ± standard error over seeds of each model's and the pair's average final test score (a
 job's score: the mean over its evaluation runs, as ``summary.JobResult.pair_score``), each method against a
-reference (GRPO n=8 where it ran, else the first method launched) as the mean paired difference with its 95 %
-Student-t interval (``intervals.paired_interval``), the mean cost per job, and the settings the compared jobs
-differ in besides method and seed (a comparison across unequal settings is flagged, not hidden)."""
+reference (GRPO n=8 where it ran, else the first method launched; ``compare_to`` chooses) as the mean paired
+difference with its 95 % Student-t interval (``intervals.paired_interval``) and, from ``RLIABLE_MIN_SEEDS`` paired
+seeds on, rliable's probability of improvement and IQM with their bootstrap intervals, the mean cost per job, and
+the settings the compared jobs differ in besides method and seed (a comparison across unequal settings is
+flagged, not hidden)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from rich.table import Table
 
-from graft_exp.intervals import paired_interval
+from graft_exp.intervals import paired_interval, rliable_measures
 from graft_exp.tracking.identity import NON_IDENTITY_KEYS
 
 REFERENCE = "grpo_n8"
+#: rliable's measures from this many seeds both methods ran (fewer: its bootstrap has nothing to resample).
+RLIABLE_MIN_SEEDS = 3
 #: Params that name the compared things themselves, or say where a job ran: not a difference in settings.
 COMPARED = ("method", "seed", "delta", "n", "pair", "backend")
 
@@ -29,6 +34,8 @@ class MethodRow:
     models: list[str]                       # "A qwen3-1.7b-base", ...
     scores: dict[str, dict[str, float]]     # seed -> {model label or "pair": score}
     gpu_hours: list[float]
+    budgets: list[float]                    # GPU-hour budgets its jobs ran under (equal compute)
+    steps: list[int]                        # the steps its jobs trained
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -46,11 +53,15 @@ def method_rows(results: list) -> dict[str, list[MethodRow]]:
         if job.status != "FINISHED" or job.pair_score is None:
             continue
         models = [f"{m.role} {m.model}" for m in job.models]
-        row = pairs.setdefault(job.pair, {}).setdefault(job.method, MethodRow(job.method, models, {}, []))
+        row = pairs.setdefault(job.pair, {}).setdefault(job.method, MethodRow(job.method, models, {}, [], [], []))
         row.scores[job.seed] = {**{label: m.scores["avg"] for label, m in zip(models, job.models)},
                                 "pair": job.pair_score}
         if job.gpu_hours is not None:
             row.gpu_hours.append(job.gpu_hours)
+        if job.budget is not None:
+            row.budgets.append(job.budget)
+        if job.last_step is not None:
+            row.steps.append(job.last_step)
     return {pair: list(rows.values()) for pair, rows in pairs.items()}
 
 
@@ -78,11 +89,19 @@ class Comparison:
     models: list[str]
     rows: list[dict]
     differ: list[str]
+    pair_scores: dict[str, dict[str, float]]   # method -> seed -> the job's pair score
+
+    @property
+    def equal_compute(self) -> bool:
+        """Whether the compared jobs ran under GPU-hour budgets (App. D): then steps differ by method."""
+        return any(not math.isnan(row["budget gpu_hours"]) for row in self.rows)
 
     @property
     def note(self) -> str:
-        return ("the compared jobs differ besides method and seed in: " + "; ".join(self.differ)) if self.differ \
+        settings = ("the compared jobs differ besides method and seed in: " + "; ".join(self.differ)) if self.differ \
             else "the compared jobs have the same settings besides method and seed"
+        return settings + ("; at equal compute: each job trained until its GPU-hour budget ran out (the steps it "
+                           "bought per method)" if self.equal_compute else "")
 
 
 def compare(results: list, reference: str | None = None) -> list[Comparison]:
@@ -107,10 +126,17 @@ def compare(results: list, reference: str | None = None) -> list[Comparison]:
             mean, lo, hi = paired_interval([row.scores[s]["pair"] - ref.scores[s]["pair"] for s in both]) \
                 if row is not ref else (math.nan, math.nan, math.nan)
             entry |= {"delta": mean, "delta lo": lo, "delta hi": hi, "paired seeds": len(both),
-                      "gpu_hours per job": sum(row.gpu_hours) / len(row.gpu_hours) if row.gpu_hours else math.nan}
+                      "gpu_hours per job": sum(row.gpu_hours) / len(row.gpu_hours) if row.gpu_hours else math.nan,
+                      "budget gpu_hours": sum(row.budgets) / len(row.budgets) if row.budgets else math.nan,
+                      "steps min": min(row.steps, default=math.nan), "steps max": max(row.steps, default=math.nan)}
+            if row is not ref and len(both) >= RLIABLE_MIN_SEEDS:
+                measures = rliable_measures(np.array([row.scores[s]["pair"] for s in both]),
+                                            np.array([ref.scores[s]["pair"] for s in both]))
+                entry |= {key: value for key, value in measures.items() if not key.startswith("IQM ref")}
             numbers.append(entry)
         compared = [job for job in results if job.pair == pair and job.status == "FINISHED"]
-        out.append(Comparison(pair, ref.method, ref.models, numbers, differing_settings(compared)))
+        out.append(Comparison(pair, ref.method, ref.models, numbers, differing_settings(compared),
+                              {row.method: {seed: s["pair"] for seed, s in row.scores.items()} for row in rows}))
     return out
 
 
@@ -134,12 +160,16 @@ def tables(results: list, reference: str | None = None) -> list[tuple[Table, str
     for c in compare(results, reference):
         table = Table(title=f"{c.pair}: test avg % of the best checkpoints, mean ± s.e. over seeds; paired vs "
                             f"{c.reference}", title_justify="left")
-        for column in ("method", "seeds", *c.models, "pair avg", f"Δ pair vs {c.reference} [95% CI]", "GPU-h / job"):
+        budget = ("budget GPU-h", "steps") if c.equal_compute else ()
+        for column in ("method", "seeds", *c.models, "pair avg", f"Δ pair vs {c.reference} [95% CI]", "P(improve)",
+                       "GPU-h / job", *budget):
             table.add_column(column, justify="left" if column == "method" else "right")
         for row in c.rows:
             cost = row["gpu_hours per job"]
+            bought = (f"{row['budget gpu_hours']:.4f}", f"{row['steps min']}-{row['steps max']}") if budget else ()
             table.add_row(row["method"], str(row["seeds"]),
                           *(_pct(row[f"{label} mean"], row[f"{label} se"]) for label in [*c.models, "pair"]),
-                          delta_text(row, c.reference), "-" if math.isnan(cost) else f"{cost:.4f}")
+                          delta_text(row, c.reference), f"{row['P(improve)']:.2f}" if "P(improve)" in row else "-",
+                          "-" if math.isnan(cost) else f"{cost:.4f}", *bought)
         out.append((table, c.note))
     return out

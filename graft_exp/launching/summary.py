@@ -18,6 +18,7 @@ from rich.table import Table
 
 from graft_exp import schema, tracking
 from graft_exp.launching import comparison
+from graft_exp.scores import checkpoint_score, job_score
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 AVG = schema.TEST + "avg"
@@ -45,18 +46,18 @@ class JobResult:
     seed: str = ""
     pair: str = ""
     params: dict[str, str] = field(default_factory=dict)   # the job run's params: its flattened config
+    budget: float | None = None    # its GPU-hour budget (equal compute), if it ran under one
+    last_step: int | None = None   # the last step it trained
 
     @property
     def pair_score(self) -> float | None:
         """The job's score: the mean over its models of each one's mean final test average (None unless every
         model was evaluated)."""
-        scores = [m.scores.get("avg") for m in self.models]
-        return sum(scores) / len(scores) if scores and None not in scores else None
+        return job_score([m.scores.get("avg") for m in self.models])
 
 
 def _mean_history(client: MlflowClient, run_id: str, key: str) -> float:
-    values = [m.value for m in client.get_metric_history(run_id, key)]
-    return sum(values) / len(values)
+    return checkpoint_score([m.value for m in client.get_metric_history(run_id, key)])
 
 
 def job_result(client: MlflowClient, run, label: str) -> JobResult:
@@ -74,7 +75,8 @@ def job_result(client: MlflowClient, run, label: str) -> JobResult:
     tags = run.data.tags
     return JobResult(label, run.info.status, run.data.metrics.get("cost/gpu_hours"), models,
                      tags.get(schema.METHOD, ""), tags.get(schema.SEED, ""), tags.get(schema.PAIR, ""),
-                     dict(run.data.params))
+                     dict(run.data.params), float(tags[schema.BUDGET]) if schema.BUDGET in tags else None,
+                     int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else None)
 
 
 def _pct(value: float | None) -> str:
@@ -131,10 +133,11 @@ def print_job(uri: str, run_id: str, label: str) -> None:
     console.print(f"job cost: {_hours(result.gpu_hours)} GPU-hours (App. D: devices x training-step wall time)")
 
 
-def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str) -> None:
-    """The jobs table, then the comparison of their methods wherever methods share seeds (``comparison``)."""
+def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str | None = None) -> None:
+    """The jobs table, then the comparison of their methods against ``reference`` (``compare_to``) wherever
+    methods share seeds (``comparison``)."""
     results = results_by_key(uri, jobs)
     console.print(jobs_table(results, title))
-    for table, note in comparison.tables(results):
+    for table, note in comparison.tables(results, reference):
         console.print(table)
         console.print(note)

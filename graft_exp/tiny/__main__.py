@@ -12,19 +12,21 @@ from pathlib import Path
 import torch
 
 from graft_exp.config import folder_problem
-from graft_exp.tiny.models import ASSETS, RECIPES, build
+from graft_exp.tiny.models import ASSETS, PAPER_VOCAB_RECIPES, RECIPES, build
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m graft_exp.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["build"])
-    parser.add_argument("keys", nargs="*", default=list(RECIPES), help="models to build (default: all)")
+    parser.add_argument("keys", nargs="*", default=[*RECIPES, *PAPER_VOCAB_RECIPES],
+                        help="models to build (default: all)")
     parser.add_argument("--out", type=Path, default=ASSETS, help="directory for <key>/ (default: the shipped assets)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the shipped weights used 1)")
     args = parser.parse_args(argv)
-    unknown = [key for key in args.keys if key not in RECIPES]
+    recipes = {**RECIPES, **PAPER_VOCAB_RECIPES}
+    unknown = [key for key in args.keys if key not in recipes]
     if unknown:
-        parser.error(f"unknown tiny model(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
+        parser.error(f"unknown tiny model(s) {', '.join(unknown)}; choose from {', '.join(recipes)}")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: need at least 1")
     problem = folder_problem(args.out)
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out {args.out}: {problem}; give a folder you can write")
     torch.set_num_threads(args.threads)
     for key in args.keys:
-        build(RECIPES[key], args.out / key)
+        build(recipes[key], args.out / key)
 
 
 if __name__ == "__main__":

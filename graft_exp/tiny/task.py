@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from graft_exp.prompts import SUFFIX, format_prompt
 
-__all__ = ["DATA_SEED", "SKILLS", "SUFFIX", "Problem", "benchmark", "format_prompt", "train_split",
+__all__ = ["DATA_SEED", "SKILLS", "SUFFIX", "Problem", "benchmark", "every_problem", "format_prompt", "train_split",
            "warmstart_stream"]
 
 SKILLS = ("add", "sub", "mul", "mixed")
@@ -116,6 +116,11 @@ def train_split(skills: tuple[str, ...] | list[str], eval_size: int, size: int, 
     picked = [p for pool in pools for p in pool[:per_skill]]
     random.Random(f"{seed}-train").shuffle(picked)
     return picked[:size]
+
+
+def every_problem(eval_size: int, seed: int = DATA_SEED) -> list[Problem]:
+    """Every problem of every skill, benchmarks and training parts together (what a model may ever be shown)."""
+    return [p for s in SKILLS for part in _split_skill(s, eval_size, seed) for p in part]
 
 
 def warmstart_stream(mix: dict[str, float], eval_size: int, seed: int, data_seed: int = DATA_SEED):

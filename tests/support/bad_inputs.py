@@ -129,6 +129,13 @@ CASES = [
          "sqlite:///old.db does not exist; give the store to re-key", module="graft_exp.rekey"),
     Case("re-key of a server that does not answer", ("--tracking-uri", "http://127.0.0.1:9"),
          "the MLflow tracking server http://127.0.0.1:9 does not answer", module="graft_exp.rekey"),
+    Case("a comparison reference that is not a method", ("-m", "method=graft,sgt", "compare_to=graf"),
+         "compare_to=graf is not a method; choose one of"),
+    Case("chat-template models on the local backend", ("pair=tiny_paper_vocab",),
+         "tiny-qwen3-vocab is prompted through a chat template, which verl renders: use backend=verl"),
+    Case("a comparison of jobs without test scores",
+         ("methods", "--tracking-uri", "sqlite:///store.db", "--out", "reports"),
+         "none of the 2 finished jobs selected has a final test score of each model", module="analysis"),
 ]
 
 

@@ -1,10 +1,11 @@
 """The paper models' real vocabularies, built offline from registry packages, with each snapshot's special-token
 table, ids and chat template as their published files give them (docs/verl.md, "Stop tokens of the paper
-models", says what each fact rests on).
+models", says what each fact rests on). The tiny models of the paper's architectures (``PAPER_VOCAB_RECIPES`` of
+``graft_exp.tiny.models``) are built over them; the packages are in the ``dev`` extra.
 
 - Qwen3-1.7B-Base: Qwen's BPE ranks from ``dashscope`` 2.0.2 (``dashscope/resources/qwen.tiktoken``, 151,643 ranks,
   shared by Qwen2/2.5/3), Qwen2's split pattern (digits one by one), the 26 added tokens 151643-151668 with their
-  special flags, and the chat template of the Qwen3 release (tests/data/paper_tokenizers/qwen3-1.7b-base.jinja).
+  special flags, and the chat template of the Qwen3 release (``templates/qwen3-1.7b-base.jinja``).
 - SmolLM3-3B-Base and OctoThinker-3B-Hybrid-Base: Llama 3's BPE ranks from ``llama-models`` 0.3.0
   (``llama_models/llama3/tokenizer.model``, 128,000 ranks) and its split pattern (digits in groups of up to three),
   the 256 added tokens 128000-128255 of Llama 3.1/3.2's ``tokenizer_config.json``, all special in
@@ -22,7 +23,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "paper_tokenizers"
+#: The chat templates (templates/README.md says where each comes from).
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 QWEN_RANKS = ("dashscope", "resources/qwen.tiktoken",
               "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186")
@@ -69,7 +71,7 @@ class Snapshot:
     pad: str | None
     generation_eos: int | list[int]     # generation_config.json's eos_token_id
     vocab_size: int                     # config.json's (the embedding rows; the tokenizer holds fewer)
-    template: str | None = None         # a file of DATA, or None: the snapshot ships no chat template
+    template: str | None = None         # a file of TEMPLATES, or None: the snapshot ships no chat template
     additional_special: list[str] = field(default_factory=list)
 
 
@@ -129,5 +131,5 @@ def build(key: str, cache: Path):
     if snap.additional_special:
         tokenizer.add_special_tokens({"additional_special_tokens": snap.additional_special})
     if snap.template:
-        tokenizer.chat_template = (DATA / snap.template).read_text()
+        tokenizer.chat_template = (TEMPLATES / snap.template).read_text()
     return tokenizer
