@@ -129,7 +129,16 @@ def cmd_compare(args) -> None:
 def cmd_methods(args) -> None:
     from graft_exp.launching import comparison
 
-    results = methods.job_results(MlflowClient(args.tracking_uri), args.experiment, args.where or [])
+    experiments, keys = args.experiment, None
+    if args.sweep:   # the jobs the sweep file composes, in its study's experiment unless --experiment says
+        from graft_exp.sweep.planning import SweepError, plan
+
+        try:
+            sweep = plan(args.sweep, [])
+        except SweepError as error:
+            raise StoreUnavailable(str(error)) from None
+        experiments, keys = experiments or [f"graft/{sweep.study}"], {sj.job.key for sj in sweep.jobs}
+    results = methods.job_results(MlflowClient(args.tracking_uri), experiments, args.where or [], keys, args.by)
     found = comparison.compare(results, args.reference)
     if not found:
         raise StoreUnavailable(methods.why_no_comparison(results))
@@ -191,7 +200,11 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--where", action="append", help="key=value a job's settings must match "
                                  "(a flattened config key, or method, pair, seed; repeatable)")
             command.add_argument("--reference", default=None, help="the reference method (default: grpo_n8 where "
-                                 "it ran, else the first)")
+                                 "it ran, else the first), or with --by the reference value as KEY=VALUE")
+            command.add_argument("--sweep", type=Path, default=None,
+                                 help="only the jobs of this sweep file (in its study's experiment)")
+            command.add_argument("--by", default="method", help="the setting whose values are compared, paired "
+                                 "by seed (default: method; e.g. method.delta)")
             command.set_defaults(handler=handler)
             continue
         if name == "decisions":

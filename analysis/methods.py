@@ -20,9 +20,12 @@ from graft_exp.launching import comparison, summary
 TAG_FILTERS = {"method": schema.METHOD, "pair": schema.PAIR, "seed": schema.SEED}
 
 
-def job_results(client: MlflowClient, experiments: list[str] | None, where: list[str]) -> list:
+def job_results(client: MlflowClient, experiments: list[str] | None, where: list[str], keys: set[str] | None = None,
+                by: str = "method") -> list:
     """The FINISHED job runs of ``experiments`` (every ``graft/*`` one when None) that match every ``key=value``
-    of ``where``, as ``summary.JobResult``s."""
+    of ``where`` (and whose run key is one of ``keys``, a sweep file's jobs, when given), as ``summary.JobResult``s
+    compared by ``by``: the method, or another setting (``method.delta``, ``train.max_steps``...), whose value then
+    names each compared group."""
     filters = []
     for item in where:
         key, sep, value = item.partition("=")
@@ -33,17 +36,23 @@ def job_results(client: MlflowClient, experiments: list[str] | None, where: list
     runs = client.search_runs(ids, "attributes.status = 'FINISHED'", max_results=50000) if ids else []
     jobs = [run for run in runs if "mlflow.parentRunId" not in run.data.tags and schema.RUN_KEY in run.data.tags
             and ANALYSIS_TAG not in run.data.tags]
+    if keys is not None:
+        jobs = [run for run in jobs if run.data.tags[schema.RUN_KEY] in keys]
     known = {k for run in jobs for k in run.data.params} | set(TAG_FILTERS)
-    for key, _ in filters:
+    for key, _ in [*filters, (by, "")]:
         if jobs and key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=3) or sorted(known)[:4]
-            raise StoreUnavailable(f"--where {key}: no job has that setting (e.g. {', '.join(near)})")
+            option = "--by" if (key, "") == (by, "") and key not in dict(filters) else "--where"
+            raise StoreUnavailable(f"{option} {key}: no job has that setting (e.g. {', '.join(near)})")
     results = []
     for run in jobs:
         tags, params = run.data.tags, run.data.params
         if all(params.get(k, tags.get(TAG_FILTERS.get(k, ""))) == v for k, v in filters):
             label = f"{tags.get(schema.METHOD)} seed {tags.get(schema.SEED)}"
-            results.append(summary.job_result(client, run, label))
+            result = summary.job_result(client, run, label)
+            if by != "method":
+                result.method = f"{by}={params.get(by, tags.get(TAG_FILTERS.get(by, '')))}"
+            results.append(result)
     if not results:
         raise StoreUnavailable(f"no finished job matches: {len(jobs)} finished jobs in "
                                f"{', '.join(experiments or ['graft/*'])}" + (f", none with {' '.join(where)}" if where else ""))
@@ -60,8 +69,9 @@ def why_no_comparison(results: list) -> str:
         return (f"none of the {len(results)} finished jobs selected has a final test score of each model "
                 "(test/avg): they stopped before their final evaluation")
     if len(methods) < 2:
-        return (f"the {len(results)} finished jobs selected are all method={next(iter(methods))}: a comparison "
-                "needs two methods (add --experiment, or loosen --where)")
+        name = next(iter(methods))
+        return (f"the {len(results)} finished jobs selected are all {name if '=' in name else f'method={name}'}: a "
+                f"comparison needs two {'values' if '=' in name else 'methods'} (add --experiment, or loosen --where)")
     listed = "; ".join(f"{m} (seeds {', '.join(sorted(s, key=lambda x: (len(x), x)))})" for m, s in methods.items())
     return f"the methods share no seed: {listed}; run them with the same seeds (seed=0,1,2)"
 

@@ -29,7 +29,7 @@ def write_store(new_store, tmp_path, scores=SCORES) -> tuple[str, list[tuple[str
         job = client.create_run(exp, tags={"graft.run_key": key, "graft.method": method, "graft.seed": str(seed),
                                            "graft.pair": "tiny"}).info.run_id
         params = {"method": method, "seed": str(seed), "train.max_steps": steps, "method.name": method,
-                  "tracking.uri": uri}
+                  "method.delta": "0.7" if method == "graft" else "0.8", "tracking.uri": uri}
         client.log_batch(job, params=[Param(k, v) for k, v in params.items()],
                          metrics=[Metric("cost/gpu_hours", 0.01 * (1 + (method == "graft")), 0, 1)])
         for role, model, runs in zip("AB", ("tiny-char-llama", "tiny-bpe-gpt2"), models):
@@ -150,3 +150,25 @@ def test_jobs_under_a_budget_show_what_it_bought(new_store, tmp_path, capsys):
     assert "at equal compute: each job trained until its GPU-hour budget ran out" in out
     assert re.search(r"graft +│ +3 │ .* │ +0\.0200 │ +0\.0100 │ +12-12 │", out), out
     assert re.search(r"grpo_n8 +│ +3 │ .* │ +0\.0100 │ +0\.0100 │ +20-20 │", out), out
+
+
+def test_analysis_methods_compares_any_setting_and_a_sweep_file_s_jobs(new_store, tmp_path, capsys):
+    """``--by KEY`` compares the values of any setting, paired by seed (here method.delta, which follows the
+    method in this store); ``--sweep FILE`` keeps the jobs that file composes, in its study's experiment."""
+    import pandas as pd
+
+    from analysis.__main__ import main
+
+    uri, _ = write_store(new_store, tmp_path)
+    out = tmp_path / "reports"
+    assert main(["methods", "--tracking-uri", uri, "--by", "method.delta", "--reference", "method.delta=0.8",
+                 "--out", str(out)]) == 0
+    table = pd.read_csv(out / "methods.csv").set_index("method")
+    assert table.loc["method.delta=0.7", "delta"] == pytest.approx(5.8333, abs=1e-3)
+    assert "paired vs method.delta=0.8" in " ".join(capsys.readouterr().err.split())
+    assert main(["methods", "--tracking-uri", uri, "--by", "method.delt", "--out", str(out)]) == 2
+    assert "--by method.delt: no job has that setting (e.g. method.delta" in " ".join(capsys.readouterr().err.split())
+    sweep = tmp_path / "compare.yaml"
+    sweep.write_text("study: compare\nruns:\n  - {method: [graft, grpo_n8], seed: [0, 1]}\n")
+    assert main(["methods", "--tracking-uri", uri, "--sweep", str(sweep), "--out", str(out)]) == 2
+    assert "no finished job matches: 0 finished jobs in graft/compare" in " ".join(capsys.readouterr().err.split())
