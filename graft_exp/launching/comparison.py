@@ -1,6 +1,6 @@
 """The comparison a multirun or a sweep was run for, printed below its jobs table wherever methods share seeds: per
 pair and method the mean ± standard error over seeds of each model's and the pair's average final test score (a
-job's score: the mean over its evaluation runs, as ``summary.JobResult.pair_score``), each method against a
+job's score: ``scores.job_score``, as ``summary.JobResult.pair_score`` gives it), each method against a
 reference (GRPO n=8 where it ran, else the first method launched; ``compare_to`` chooses) as the mean paired
 difference with its 95 % Student-t interval (``intervals.paired_interval``) and, from ``RLIABLE_MIN_SEEDS`` paired
 seeds on, rliable's probability of improvement and IQM with their bootstrap intervals, the mean cost per job, and
