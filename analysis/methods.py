@@ -72,7 +72,7 @@ def why_no_comparison(results: list) -> str:
         name = next(iter(methods))
         return (f"the {len(results)} finished jobs selected are all {name if '=' in name else f'method={name}'}: a "
                 f"comparison needs two {'values' if '=' in name else 'methods'} (add --experiment, or loosen --where)")
-    listed = "; ".join(f"{m} (seeds {', '.join(sorted(s, key=lambda x: (len(x), x)))})" for m, s in methods.items())
+    listed = "; ".join(f"{m} (seeds {', '.join(comparison.seed_order(s))})" for m, s in methods.items())
     return f"the methods share no seed: {listed}; run them with the same seeds (seed=0,1,2)"
 
 
@@ -89,7 +89,7 @@ def frame(comparisons: list[comparison.Comparison]) -> pd.DataFrame:
 
 
 def figure(comparisons: list[comparison.Comparison], out: Path) -> list[Path]:
-    """``methods.png``/``.pdf`` (and ``methods_points.csv``): per pair, each job's pair score by method, a point per
+    """``methods_figure.png``/``.pdf`` (and ``methods_figure.csv``, the points): per pair, each job's pair score by method, a point per
     seed and a line joining one seed's jobs (the pairing the differences use); beside it each method's mean paired
     difference from the reference with its 95 % Student-t interval."""
     from analysis.figures import COLORS, _save, plt
@@ -98,7 +98,7 @@ def figure(comparisons: list[comparison.Comparison], out: Path) -> list[Path]:
     points = []
     for (scores_ax, delta_ax), c in zip(axes, comparisons):
         methods = [c.reference] + [row["method"] for row in c.rows if row["method"] != c.reference]
-        seeds = sorted({seed for by_seed in c.pair_scores.values() for seed in by_seed}, key=lambda s: (len(s), s))
+        seeds = comparison.seed_order({seed for by_seed in c.pair_scores.values() for seed in by_seed})
         for j, seed in enumerate(seeds):
             shift = 0.06 * (j - (len(seeds) - 1) / 2)   # seeds side by side: equal scores stay visible
             xs = [i for i, m in enumerate(methods) if seed in c.pair_scores[m]]

@@ -38,6 +38,11 @@ class MethodRow:
     steps: list[int]                        # the steps its jobs trained
 
 
+def seed_order(seeds) -> list[str]:
+    """Seeds (MLflow's strings) in numeric order."""
+    return sorted(seeds, key=lambda s: (len(s), s))
+
+
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
     """Mean and standard error (NaN below two values) of ``values``."""
     n = len(values)
@@ -117,8 +122,8 @@ def compare(results: list, reference: str | None = None) -> list[Comparison]:
             continue
         numbers = []
         for row in rows:
-            seeds = sorted(row.scores, key=lambda s: (len(s), s))
-            both = sorted(set(row.scores) & set(ref.scores), key=lambda s: (len(s), s))
+            seeds = seed_order(row.scores)
+            both = seed_order(set(row.scores) & set(ref.scores))
             entry = {"pair": pair, "method": row.method, "seeds": len(seeds)}
             for label in [*ref.models, "pair"]:
                 values = [row.scores[s][label] for s in seeds if label in row.scores[s]]

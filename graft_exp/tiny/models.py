@@ -420,7 +420,8 @@ def locate(key: str, progress: bool = True) -> Path:
     digest = recipe_hash(recipe)
     shipped = ASSETS / key
     if recipe.tokenizer == "paper":   # shipped (or built) over the task's tokens, widened once into the cache
-        built = shipped if _matches(shipped, digest) else _built(recipe, cache_root() / f"{key}-{digest}-task", progress)
+        built = shipped if _matches(shipped, digest) else _built(recipe, digest, cache_root() / f"{key}-{digest}-task",
+                                                                 progress)
         widened = cache_root() / f"{key}-{digest}"
         if not _matches(widened, digest):
             from transformers import AutoModelForCausalLM
@@ -432,11 +433,12 @@ def locate(key: str, progress: bool = True) -> Path:
         return widened
     if _matches(shipped, digest):
         return shipped
-    return _built(recipe, cache_root() / f"{key}-{digest}", progress)
+    return _built(recipe, digest, cache_root() / f"{key}-{digest}", progress)
 
 
-def _built(recipe: TinyRecipe, directory: Path, progress: bool) -> Path:
-    if not _matches(directory, digest := recipe_hash(recipe)):
+def _built(recipe: TinyRecipe, digest: str, directory: Path, progress: bool) -> Path:
+    """``directory``, holding the model of ``recipe`` (whose hash is ``digest``), built there now if missing."""
+    if not _matches(directory, digest):
         build(recipe, directory, progress=progress)
     assert _matches(directory, digest)
     return directory
