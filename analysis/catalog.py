@@ -6,7 +6,9 @@ Everything here is display or bookkeeping; the runs themselves are identified by
 
 from __future__ import annotations
 
-from graft_exp.config import MethodConfig
+from omegaconf import OmegaConf
+
+from graft_exp.config import MODELS_FILE, MethodConfig
 from graft_exp.methods import METHODS
 
 #: The paper's benchmark order (Table 1); benchmarks of other suites follow alphabetically.
@@ -19,14 +21,8 @@ BENCH_DISPLAY = {
     "minerva": "Minerva",
 }
 
-MODEL_DISPLAY = {
-    "smollm3-3b-base": "SmolLM3-3B-Base",
-    "qwen3-1.7b-base": "Qwen3-1.7B-Base",
-    "octothinker-3b-hybrid-base": "OctoThinker-3B-Hybrid-Base",
-    "tiny-char-llama": "Tiny-Char-Llama",
-    "tiny-bpe-gpt2": "Tiny-BPE-GPT2",
-    "tiny-unigram-neox": "Tiny-Unigram-NeoX",
-}
+#: Each catalog model's display name (``display`` in conf/catalog/models.yaml).
+MODEL_DISPLAY = {key: entry["display"] for key, entry in OmegaConf.load(MODELS_FILE).items()}
 #: One-letter names used by the paper's ablation table (S: SmolLM3-3B, Q: Qwen3-1.7B).
 MODEL_SHORT = {
     "smollm3-3b-base": "S",

@@ -33,6 +33,8 @@ LOCAL_DEVICES = ("auto", "cpu", "cuda")
 LOCAL_SAMPLERS = ("static_cache", "loop")   # graft_exp/backends/local_policy.py
 #: The columns of ``python -m graft_exp.prepare``'s Parquet files that verl's dataset and reward read.
 PREPARED_COLUMNS = {"data_source", "prompt", "reward_model", "extra_info"}
+#: The model catalog: every model a pair may name, with its weights (``hf_id``), display name and positions.
+MODELS_FILE = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "models.yaml"
 #: The member keys of a pair (A, B) or group (A, B, C, ...): each names a model of conf/catalog/models.yaml.
 MEMBER_KEYS = ("A", "B", "C", "D", "E", "F")
 

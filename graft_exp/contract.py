@@ -24,8 +24,8 @@ import torch
 from omegaconf import DictConfig
 
 from graft_exp.evaluation import Generate
-from graft_exp.exchange import ReceiverBatch, Scorer
 from graft_exp.methods import Method
+from graft_exp.receiver import ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 
 

@@ -32,17 +32,16 @@ from graft_exp.algorithms import (
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
     grpo_advantages,
-    hacpo_capability,
-    hacpo_capability_ratio,
-    hacpo_positive_rate,
 )
 from graft_exp.config import peers, roles, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
-from graft_exp.exchange import ReceiverBatch, Scorer, peer_solved_frac, plan_step, rollout_metrics
+from graft_exp.exchange import peer_solved_frac, plan_step, rollout_metrics
 from graft_exp.objective import LossSpec
+from graft_exp.receiver import ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
+from graft_exp.scores import checkpoint_score, job_score
 from graft_exp.seeds import derive_seed
 from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
 
@@ -115,8 +114,8 @@ class Member:
     run: tracking.TrackedRun | None
     best: BestCheckpoint = field(default_factory=BestCheckpoint)
     device_seconds: float = 0.0          # its cost/gpu_hours x 3600
-    positive_rates: list[float] = field(default_factory=list)   # HACPO's capability tracker
-    stored_peer: object = None           # graft_stored: the peer's logged trajectories (DataFrame)
+    tracked: list[float] = field(default_factory=list)   # what the peer loss tracks across steps (HACPO: positive rates)
+    replayed: object = None              # the peer's logged trajectories it replays (DataFrame; graft_stored)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:
@@ -136,17 +135,14 @@ class Driver:
         # Chat templates that write today's date render this one in every process, however long the job runs.
         job.set_tags({schema.PROMPT_DATE: prompts.job_prompt_date(self.root).isoformat()})
         members = roles(cfg.pair)
-        stored = {}
-        if self.method.replays_stored_log:   # a pair: each role replays its one peer's log
-            stored = {role: download_stored_log(cfg, job.client, cfg.pair[peer], self.root / "stored" / cfg.pair[peer])
-                      for role in members for peer in peers(cfg.pair, role)}
+        replayed = stored_logs(cfg, job.client, self.root / "stored")
         # The verification workers a step's batch needs start while the models load.
         reward.default_pool().start(int(cfg.train.batch_prompts) * int(self.method.config.n))
         runs = {role: tracking.open_model_run(cfg, job, role) for role in members}
         # Co-trained models need each other even if one run was already closed (a job stopped between
         # their final evaluations); a single-model baseline someone else finished is skipped.
         needed = [r for r in members if runs[r] is not None or (self.method.co_train and any(runs.values()))]
-        self.members = {role: Member(role, str(cfg.pair[role]), runs[role], stored_peer=stored.get(role))
+        self.members = {role: Member(role, str(cfg.pair[role]), runs[role], replayed=replayed.get(role))
                         for role in needed}
         self.backend: Backend = backend_factory(cfg, self.method, needed, self.root) if needed else None
         for role, member in self.members.items():   # what a rollout of each model starts from and stops on
@@ -155,7 +151,6 @@ class Driver:
                 member.run.set_tags({schema.STOP_IDS: shown["stop_ids"],
                                      schema.RENDERED_PROMPT: shown["rendered_prompt"][:5000]})
         self.job_device_seconds = 0.0
-        self.budget_hours = tracking.gpu_hours_budget(cfg, job.client)   # equal compute (None: steps alone)
         self.start_step = 1
         if self.backend is not None:
             problems = self.backend.problems()
@@ -212,19 +207,10 @@ class Driver:
                        self.backend.gather(role, [(s.data, g) for s, g in parts]),
                        [s.token_ids[q] for s, g in parts for q in g])
 
-    def capability_ratios(self, own: dict[str, Rollouts]) -> dict[str, float]:
-        """HACPO (two models): each receiver's capability ratio of its peer to itself, from each model's
-        positive rates so far, this step's included."""
-        for role, member in self.members.items():
-            member.positive_rates.append(float(hacpo_positive_rate(own[role].rewards)))
-        cap = {role: hacpo_capability(m.positive_rates) for role, m in self.members.items()}
-        return {role: hacpo_capability_ratio(cap[peer], cap[role])
-                for role in cap for peer in peers(self.cfg.pair, role)}
-
-    def stored_source(self, role: str, step: int, own: Sampled) -> Rollouts:
+    def replayed_source(self, role: str, step: int, own: Sampled) -> Rollouts:
         """The peer's logged GRPO n=8 rollouts of this step, rewards re-verified (App. B "Saved peer logs")."""
         peer = str(self.cfg.pair[peers(self.cfg.pair, role)[0]])
-        source = step_rollouts(self.members[role].stored_peer, step, peer)
+        source = step_rollouts(self.members[role].replayed, step, peer)
         if source.prompt_ids != own.rollouts.prompt_ids:
             raise ValueError(f"step {step}: the stored log of {peer} has different prompts than this run "
                              "(different data order or batch size); replay needs the same seed and train settings")
@@ -265,23 +251,22 @@ class Driver:
 
     def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
         """Each receiver's batch (``exchange.plan_step``), given what only the job holds: the replayed log's
-        rollouts of this step (stored replay) and HACPO's capability ratios (its tracker spans steps).
-        Returns (batches, sources, HACPO capability ratios, the job's exchange metrics)."""
+        rollouts of this step (stored replay) and the capability ratios of what the peer loss tracks across steps
+        (HACPO's positive rates). Returns (batches, sources, capability ratios, the job's exchange metrics)."""
         method, rollouts = self.method, {role: s.rollouts for role, s in own.items()}
-        ratios = {role: 1.0 for role in own}
-        if method.co_train and method.peer_loss.capability_advantages:
-            ratios = self.capability_ratios(rollouts)
-        stored = ({role: self.stored_source(role, step, sampled) for role, sampled in own.items()}
-                  if method.replays_stored_log else None)
+        ratios = method.peer_loss.capability_ratios({role: m.tracked for role, m in self.members.items()}, rollouts,
+                                                    {role: peers(self.cfg.pair, role)[0] for role in rollouts})
+        replayed = {role: self.replayed_source(role, step, sampled) for role, sampled in own.items()
+                    if self.members[role].replayed is not None}
         batches, sources, transfers = plan_step(method, rollouts, scorers, generator(self.cfg.seed, step, "exchange"),
-                                                stored=stored, capability_ratios=ratios)
+                                                replayed=replayed, capability_ratios=ratios)
         return batches, sources, ratios, {schema.exchange_metric(s, r): float(mask.sum())
                                           for (s, r), mask in transfers.items()}
 
     def peer_rollouts(self, role: str, own: dict[str, Sampled], source: Rollouts | None) -> dict[str, Rollouts]:
         """What ``role``'s peers sampled on its prompts, by peer role: the replayed log, or the other members'
         rollouts of this step (none under dynamic sampling, where each model draws its own prompts)."""
-        if self.method.replays_stored_log:
+        if self.members[role].replayed is not None:
             return {peers(self.cfg.pair, role)[0]: source}
         if self.method.config.dynamic_sampling:
             return {}
@@ -338,7 +323,8 @@ class Driver:
         state = {"step": step, "job_device_seconds": self.job_device_seconds,
                  "cursors": {name: s.cursor for name, s in self.streams.items()},
                  "members": {role: {"best": asdict(m.best),
-                                    "device_seconds": m.device_seconds, "positive_rates": m.positive_rates}
+                                    "device_seconds": m.device_seconds,
+                                    "positive_rates": m.tracked}   # the key checkpoints have always had
                              for role, m in self.members.items()}}
         self.root.mkdir(parents=True, exist_ok=True)
         self.remove_interrupted_writes()
@@ -377,7 +363,7 @@ class Driver:
             member = self.members[role]
             member.best = BestCheckpoint(**saved["best"])
             member.device_seconds = saved["device_seconds"]
-            member.positive_rates = list(saved["positive_rates"])
+            member.tracked = list(saved["positive_rates"])
         for name, cursor in state["cursors"].items():
             self.streams[name].cursor = cursor
         self.job_device_seconds = state["job_device_seconds"]
@@ -397,6 +383,7 @@ class Driver:
         """Record the final evaluation, the artifacts, FINISHED."""
         for r, scores in enumerate(results):
             member.log({schema.TEST + k: v for k, v in scores.items()}, r)
+        member.log({schema.SCORE: checkpoint_score([scores[AVG] for scores in results])}, 0)
         if member.run is not None:
             member.run.set_tags({schema.BEST_STEP: member.best.step})
             traj = self.root / "trajectories" / member.role
@@ -445,11 +432,15 @@ class Driver:
                     self.job.set_tags({schema.LAST_STEP: step})
                     break
         results = self.each(self.final_evaluation)
-        return {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
+        scores = {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
+        if len(scores) == len(roles(self.cfg.pair)):   # a baseline job may have evaluated only some of its models
+            self.job.log_metrics({schema.SCORE: job_score([s[AVG] for s in scores.values()])}, 0)
+        return scores
 
     def budget_spent(self) -> bool:
         """Whether the job's charged cost (``cost/gpu_hours``, App. D) reached ``train.max_gpu_hours``."""
-        return self.budget_hours is not None and self.job_device_seconds / 3600.0 >= self.budget_hours
+        budget = self.job.budget_gpu_hours   # equal compute (None: steps alone), as open_job recorded it
+        return budget is not None and self.job_device_seconds / 3600.0 >= budget
 
     def log_config(self) -> None:
         path = self.root / "config.yaml"
@@ -469,15 +460,21 @@ def update_metrics(counts: dict[str, float], spec: LossSpec) -> dict[str, float]
             schema.TRAIN + "clipfrac_peer": counts.get(f"clipped_{kind}_peer", 0.0) / peer if peer > 0 else float("nan")}
 
 
-def download_stored_log(cfg: DictConfig, client, peer: str, download_to: Path):
-    """The trajectory log (``trajectories.read_log``) of the run ``graft_stored`` replays when ``peer`` is
-    its source (``tracking.stored_log_run``: checked before any run was opened)."""
-    run = tracking.stored_log_run(client, cfg, peer)
-    if run is None:   # deleted since the job's pre-launch check
-        tracking.check_stored_logs(cfg, client)
-    shutil.rmtree(download_to, ignore_errors=True)
-    download_to.mkdir(parents=True)
-    return read_log(Path(client.download_artifacts(run.info.run_id, "trajectories", str(download_to))))
+def stored_logs(cfg: DictConfig, client, download_to: Path) -> dict:
+    """The trajectory log (``trajectories.read_log``) each role replays: its peer's, from the run
+    ``tracking.stored_log_run`` finds (checked before any run was opened); none for a method that replays
+    nothing (``tracking.stored_log_peers``)."""
+    logs = {}
+    for peer_key in tracking.stored_log_peers(cfg):
+        run = tracking.stored_log_run(client, cfg, peer_key)
+        if run is None:   # deleted since the job's pre-launch check
+            tracking.check_stored_logs(cfg, client)
+        directory = download_to / peer_key
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        logs[peer_key] = read_log(Path(client.download_artifacts(run.info.run_id, "trajectories", str(directory))))
+    return {role: logs[cfg.pair[peer]] for role in roles(cfg.pair) for peer in peers(cfg.pair, role)
+            if cfg.pair[peer] in logs}
 
 
 class progress_bar:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from graft_exp.peer_losses import HacpoPeerLoss, NllPeerLoss, PeerLoss
 from graft_exp.registry import Registry, UnknownName, fixed
 
 if TYPE_CHECKING:   # the rules import torch when they run: config, tracking and launching stay torch-free
@@ -139,14 +140,33 @@ PEER_RESPONSES.register("success", fixed(_success_only))
 
 @dataclass(frozen=True)
 class Advantages:
-    """Whose advantages a transferred group carries."""
+    """Whose advantages a transferred group carries: ``assign(receiver, source, selected, eps)`` -> (own
+    advantages [P, n], source advantages [P, n], bool [P] whose own group stays)."""
 
-    pooled_with_receiver: bool   # recomputed over the receiver's and the source's group together (both stay)
+    assign: Callable
+
+
+def _source_advantages(receiver, source, selected, eps):
+    """The source's (eq. 1 on its group); a selected prompt's own group is replaced."""
+    return receiver.advantages.clone(), source.advantages.clone(), ~selected
+
+
+def _pooled_advantages(receiver, source, selected, eps):
+    """Recomputed over the receiver's and the source's group together; both stay (App. G)."""
+    import torch
+
+    from graft_exp.algorithms import pooled_group_advantages
+    own_adv, src_adv, keep_own = _source_advantages(receiver, source, selected, eps)
+    chosen = torch.nonzero(selected).flatten().tolist()
+    if chosen:
+        own_adv[chosen], src_adv[chosen] = pooled_group_advantages(receiver.rewards[chosen], source.rewards[chosen], eps)
+        keep_own = torch.ones_like(selected)
+    return own_adv, src_adv, keep_own
 
 
 ADVANTAGES = Registry("method.advantages")
-ADVANTAGES.register("source", fixed(Advantages(pooled_with_receiver=False)))   # the source's (eq. 1 on its group)
-ADVANTAGES.register("pooled", fixed(Advantages(pooled_with_receiver=True)))    # App. G
+ADVANTAGES.register("source", fixed(Advantages(_source_advantages)))
+ADVANTAGES.register("pooled", fixed(Advantages(_pooled_advantages)))
 
 #: The receiver loss of own and peer rows with this importance ratio (an ``objective.OBJECTIVES`` key).
 RATIOS = Registry("method.ratio")
@@ -212,33 +232,15 @@ SOURCE_RULES.register("compatibility", fixed(SourceRule(by_compatibility=True)))
 SOURCE_RULES.register("random", fixed(SourceRule()))
 
 
-@dataclass(frozen=True)
-class PeerLoss:
-    """How a receiver learns from peer responses, and what that needs from the rest of the code."""
-
-    objective: str | None = None    # ``objective.OBJECTIVES`` key; None: method.ratio's (GRAFT's loss)
-    transfers: bool = True          # False: no peer responses are learned from (single-model GRPO)
-    gated: bool = True              # the method's admission applies (False: every response, w = 1)
-    nll_only: bool = False          # peer responses enter only an NLL term on one drawn correct response
-    pools_every_prompt: bool = False     # own and peer groups both stay on every prompt
-    capability_advantages: bool = False  # advantages from the models' capability tracker (HACPO)
-    groups_per_prompt: int = 1      # groups a prompt's rows form in the receiver batch (own + peer kept apart: 2)
-    own_minibatch: bool = False     # minibatch size from the method's own settings (method.hacpo.minibatch_prompts)
-    kl_to_initial: bool = False     # a KL term to the initial policy (method.hacpo.kl_coef) on own rows
-    own_clip: bool = False          # self-ratio clip from the method's own settings (method.hacpo.self_clip_*)
-    two_models_only: str = ""       # why it cannot serve a group of K > 2 ("": it can)
-
-
+#: How a receiver learns from peer responses: each entry is the behaviour (``graft_exp.peer_losses``).
 PEER_LOSSES = Registry("method.peer_loss")
 PEER_LOSSES.register("none", fixed(PeerLoss(transfers=False)))
 PEER_LOSSES.register("graft", fixed(PeerLoss()))                                       # eq. (10)
 PEER_LOSSES.register("luffy", fixed(PeerLoss(objective="luffy", gated=False)))        # App. B
-PEER_LOSSES.register("nll", fixed(PeerLoss(objective="sgt", nll_only=True)))          # SGT, App. B
-PEER_LOSSES.register("hacpo", fixed(PeerLoss(objective="hacpo", gated=False, pools_every_prompt=True,
-                                             capability_advantages=True, groups_per_prompt=2,
-                                             own_minibatch=True, kl_to_initial=True, own_clip=True,
-                                             two_models_only="its capability-aware advantages pool exactly two "
-                                                             "models' groups")))   # App. B
+PEER_LOSSES.register("nll", fixed(NllPeerLoss(objective="sgt")))                      # SGT, App. B
+PEER_LOSSES.register("hacpo", fixed(HacpoPeerLoss(objective="hacpo", gated=False,
+                                                  two_models_only="its capability-aware advantages pool exactly "
+                                                                  "two models' groups")))   # App. B
 
 #: Every table of components, in the order ``resolve`` builds them.
 COMPONENTS = (SELECTIONS, ADMISSIONS, PEER_RESPONSES, ADVANTAGES, RATIOS, PEER_POSITIONS, SOURCES, SOURCE_RULES,
@@ -302,7 +304,7 @@ class Method:
 
     config: object                  # cfg.method
     selection: Selection
-    admit: Callable                 # ``admit(score, generator) -> w``: the admission rule, or ``ungated``
+    admit: Callable                 # ``admit(score, generator) -> w``: method.admission (used where ``gated``)
     keep: Callable                  # ``keep(w, rewards) -> w``: method.peer_responses
     advantages: Advantages
     objective: str                  # ``objective.OBJECTIVES`` key of the receiver loss
@@ -315,8 +317,7 @@ class Method:
     def loss(self) -> LossSpec:
         """The receiver loss and its settings (``objective.LossSpec``), built on first use: config checks
         resolve methods without importing torch."""
-        from graft_exp.objective import LossSpec
-        return LossSpec.from_method(self)
+        return self.peer_loss.loss_spec(self)
 
     @property
     def two_models_only(self) -> str:
@@ -328,19 +329,23 @@ class Method:
         return bool(self.config.co_train)
 
     @property
+    def gated(self) -> bool:
+        """Whether the method's admission (and its floor ``method.delta``) decides the peer weights: a
+        co-trained method with ``method.gate`` on whose peer loss takes the gate (LUFFY and HACPO do not)."""
+        return self.co_train and self.peer_loss.gated and bool(self.config.gate)
+
+    @property
     def replays_stored_log(self) -> bool:
         return self.source.replays_log_of is not None
 
     def minibatch_prompts(self, train) -> int:
         """Prompt groups per optimizer minibatch: Table 3's ``train.minibatch_prompts`` (32 of 128), or the
-        method's own (HACPO's released 64)."""
-        if self.peer_loss.own_minibatch:
-            return int(self.config.hacpo.minibatch_prompts)
-        return int(train.minibatch_prompts)
+        peer loss's own (HACPO's released 64)."""
+        return self.peer_loss.minibatch_prompts(self.config, train)
 
     def weights(self, score: torch.Tensor, rewards: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """w(o|q) of the transferred responses ([S, n]): eq. (9), or the variant's rule. 0 = removed."""
-        return self.keep(self.admit(score, generator), rewards)
+        return self.keep((self.admit if self.gated else ungated)(score, generator), rewards)
 
 
 def check_params(method) -> None:
@@ -369,8 +374,7 @@ def resolve(method) -> Method:
     and the valid values."""
     check_params(method)
     peer_loss, admission, ratio_objective = PEER_LOSSES.build(method), ADMISSIONS.build(method), RATIOS.build(method)
-    gated = peer_loss.gated and bool(method.gate)
-    return Method(config=method, selection=SELECTIONS.build(method), admit=admission if gated else ungated,
+    return Method(config=method, selection=SELECTIONS.build(method), admit=admission,
                   keep=PEER_RESPONSES.build(method), advantages=ADVANTAGES.build(method),
                   objective=peer_loss.objective or ratio_objective,
                   order=PEER_POSITIONS.build(method), source=SOURCES.build(method), peer_loss=peer_loss,

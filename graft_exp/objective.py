@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,9 +27,6 @@ from graft_exp.algorithms import (
     sgt_nll_loss,
 )
 from graft_exp.registry import Registry
-
-if TYPE_CHECKING:
-    from graft_exp.methods import Method
 
 #: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
 #: sequences) of own and peer rows, of those the clipped ones, and SGT's NLL tokens.
@@ -54,8 +50,9 @@ OBJECTIVES = Registry("receiver loss")
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which objective a receiver optimises and its settings, from the resolved method (``Method.loss``;
-    picklable: it travels to verl's Ray workers inside the loss function)."""
+    """Which objective a receiver optimises and its settings, from the resolved method (``Method.loss``, built by
+    its peer loss: ``peer_losses.PeerLoss.loss_spec``; picklable: it travels to verl's Ray workers inside the
+    loss function). Single-model GRPO is ``graft`` with no peer rows, which is the token-mean GRPO loss (eq. 2)."""
 
     kind: str                       # an ``OBJECTIVES`` key: graft | sequence_ratio | luffy | sgt | hacpo
     clip_low: float = 0.2
@@ -68,19 +65,6 @@ class LossSpec:
     hacpo_cross_clip_delta: float = HACPO_CROSS_CLIP_DELTA
     hacpo_cross_clip_step: float = HACPO_CROSS_CLIP_STEP
     hacpo_kl_coef: float = 0.0      # HACPO's KL to the initial policy (method.hacpo.kl_coef where the peer loss has one)
-
-    @classmethod
-    def from_method(cls, method: Method) -> LossSpec:
-        """The objective of a resolved method (``Method.loss`` builds it once). Single-model GRPO is
-        ``graft`` with no peer rows, which is the token-mean GRPO loss (eq. 2)."""
-        config, hacpo = method.config, method.config.hacpo
-        return cls(kind=method.objective, clip_low=float(config.clip_low), clip_high=float(config.clip_high),
-                   clip_ratio_c=float(config.clip_ratio_c), luffy_gamma=float(config.luffy_gamma),
-                   sgt_lambda=float(config.sgt_lambda),
-                   hacpo_self_clip_low=float(hacpo.self_clip_low), hacpo_self_clip_high=float(hacpo.self_clip_high),
-                   hacpo_cross_clip_delta=1.0 - float(hacpo.peer_clip_init),
-                   hacpo_cross_clip_step=float(hacpo.peer_clip_step),
-                   hacpo_kl_coef=float(hacpo.kl_coef) if method.peer_loss.kl_to_initial else 0.0)
 
     @property
     def objective(self) -> Objective:

@@ -54,6 +54,7 @@ MODEL_TAGS = {
 #: Metrics of a job run, step = training step.
 JOB_METRICS = {
     "cost/gpu_hours": "every step: cumulative joint cost, GPUs x training-step wall seconds / 3600",
+    "score": "at the end (step 0), when every model of the job was evaluated: the job's score (graft_exp.scores)",
     "exchange/A_to_B": "every step of an online co-trained method: prompts selected A -> B",
     "exchange/B_to_A": "every step of an online co-trained method: prompts selected B -> A",
     "exchange/<S>_to_<R>": "every step of an online co-trained group: prompts receiver R took from S, each ordered pair",
@@ -73,9 +74,11 @@ MODEL_METRICS = {
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
     "val/<bench>": "validation steps (0, every eval.val_every, last)", "val/avg": "validation steps",
     "test/<bench>": "final evaluation of the best checkpoint, one per run", "test/avg": "final evaluation",
+    "score": "at the end (step 0): the model's final score, the mean of its runs' test/avg (graft_exp.scores); "
+             "the one value the MLflow UI's runs table shows for it",
 }
 # Names the writers use (driver.py, tracking/); each is a key of the tables above.
-GPU_HOURS = "cost/gpu_hours"
+GPU_HOURS, SCORE = "cost/gpu_hours", "score"
 TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
 BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"

@@ -57,16 +57,16 @@ def test_every_method_routes_through_its_components(make_job, name):
     for update in backend.updates:
         batch = update.batch
         assert update.spec == method.loss
-        assert len(batch.group_is_peer) == prompts * method.peer_loss.groups_per_prompt
+        assert len(batch.group_is_peer) == method.peer_loss.receiver_groups(prompts)
         grouped = sorted(g for mb in update.minibatches for g in mb)
         assert grouped == sorted(set(grouped))                   # each group in one minibatch
         assert {r.group for r in batch.rows} <= set(grouped)
         peer_rows = [r for r in batch.rows if r.origin == "peer"]
         if not method.co_train:
             assert not peer_rows and not batch.nll and update.source is None
-        if method.peer_loss.nll_only:
+        if method.objective == "sgt":   # the NLL term only
             assert not peer_rows
-        if method.peer_loss.pools_every_prompt:   # HACPO: every own group stays, beside the peer's
+        if method.objective == "hacpo":   # every own group stays, beside the peer's
             assert {r.prompt for r in batch.rows if r.origin == "self"} == set(range(prompts))
         if not (method.peer_loss.gated and cfg.method.gate):
             assert all(r.weight > 0 for r in peer_rows)

@@ -9,11 +9,17 @@ import torch
 from omegaconf import OmegaConf
 
 from graft_exp.config import MethodConfig
-from graft_exp.exchange import PEER, SELF, Rollouts, assemble, peer_solved_frac, plan_exchange, select_prompts
+from graft_exp.exchange import peer_solved_frac, plan_exchange, select_prompts
 from graft_exp.methods import resolve
+from graft_exp.receiver import PEER, SELF
+from graft_exp.rollouts import Rollouts
 
 N = 4
 
+
+def assemble(method, *args):
+    """The receiver batch, as the method's peer loss builds it (``peer_losses.PeerLoss.assemble``)."""
+    return method.peer_loss.assemble(method, *args)
 
 
 def plan_pair(method, a, b, scorers, generator, ratios=None):
@@ -21,6 +27,7 @@ def plan_pair(method, a, b, scorers, generator, ratios=None):
     batches, _, transfers = plan_exchange(method, {"A": a, "B": b}, dict(zip("AB", scorers)), generator,
                                           None if ratios is None else dict(zip("AB", ratios)))
     return batches["A"], batches["B"], (transfers["A", "B"], transfers["B", "A"])
+
 
 def method(**overrides):
     """The components of GRAFT's config with ``overrides`` (what the exchange reads)."""

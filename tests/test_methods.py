@@ -58,9 +58,9 @@ def test_an_undeclared_method_name_fails_with_the_declared_ones(compose_cfg, tmp
 
 def test_components_answer_what_the_code_asks(compose_cfg):
     hacpo = methods.resolve(compose_cfg("method=hacpo").method)
-    assert hacpo.loss.needs_reference_model and hacpo.peer_loss.groups_per_prompt == 2
-    assert hacpo.peer_loss.pools_every_prompt and hacpo.selection.every_prompt
+    assert hacpo.loss.needs_reference_model and hacpo.peer_loss.receiver_groups(16) == 32 and hacpo.selection.every_prompt
     assert hacpo.minibatch_prompts(compose_cfg().train) == 64
+    assert hacpo.peer_loss.clip_range(hacpo.config) == (hacpo.config.hacpo.self_clip_low, hacpo.config.hacpo.self_clip_high)
     assert not methods.resolve(compose_cfg("method=hacpo", "method.hacpo.kl_coef=0").method).loss.needs_reference_model
     graft = methods.resolve(compose_cfg("method=graft").method)
     train = compose_cfg().train
@@ -124,11 +124,9 @@ def test_no_method_routing_by_name_in_the_driver_exchange_or_backends():
     assert not [hit for path in files for hit in name_comparisons(path)]
 
 
-def imported_modules(path: Path, runtime_only: bool = False) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` names in an import: at the top, inside functions (lazy) and under TYPE_CHECKING."""
     tree = ast.parse(path.read_text())
-    if runtime_only:   # leave out ``if TYPE_CHECKING:`` blocks (type hints only)
-        tree.body = [node for node in tree.body
-                     if not (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")]
     found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -136,21 +134,46 @@ def imported_modules(path: Path, runtime_only: bool = False) -> set[str]:
     return found
 
 
+def package_imports() -> dict[str, set[str]]:
+    """graft_exp's modules (dotted names) and the package modules each imports."""
+    root = Path(methods.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
+
+
 def test_control_flows_one_way():
     """docs/design.md's layers: backends never import the driver; the driver, the contract, the exchange and
-    the objective never import a backend; the method registry imports nothing of the loop."""
+    the objective never import a backend; the method registry imports nothing of the loop; no two modules of the
+    package import each other, directly or round a longer circle (lazy and type-only imports counted)."""
     root = Path(methods.__file__).parent
     for path in (root / "backends").rglob("*.py"):
         assert "graft_exp.driver" not in imported_modules(path), path
     for name in ("driver.py", "contract.py", "exchange.py", "objective.py", "methods.py", "config.py"):
         assert not any(m.startswith("graft_exp.backends") for m in imported_modules(root / name)), name
-    # the registry names the pure math of graft_exp.algorithms and the receiver losses (graft_exp.objective,
-    # which itself needs only the name tables and the math): nothing of the loop, no import circle
-    below = {"algorithms", "objective", "registry"}
+    # the registry names the pure math of graft_exp.algorithms, its peer losses (the receiver batch they build)
+    # and the receiver losses (graft_exp.objective, which itself needs only the name tables and the math)
+    below = {"algorithms", "objective", "registry", "peer_losses", "receiver", "rollouts"}
     assert not [m for m in imported_modules(root / "methods.py")
                 if m.startswith("graft_exp") and m.split(".")[1] not in below]
-    assert not [m for m in imported_modules(root / "objective.py", runtime_only=True)
+    assert not [m for m in imported_modules(root / "objective.py")
                 if m.startswith("graft_exp") and m.split(".")[1] not in {"algorithms", "registry"}]
+    graph, circles = package_imports(), []
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in sorted(graph[module]):
+            if imported in path:
+                circles.append(path[path.index(imported):] + [imported])
+            elif imported not in done:
+                visit(imported, path + [imported])
+        done.add(module)
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, f"import circles: {circles}"
 
 
 def test_a_rule_reads_its_parameters_from_the_method_config(request, compose_cfg):

@@ -25,9 +25,11 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from graft_exp.algorithms import grpo_advantages
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
-from graft_exp.exchange import PEER, Rollouts, assemble, select_prompts
+from graft_exp.exchange import select_prompts
 from graft_exp.methods import resolve
 from graft_exp.prompts import end_of_turn_id
+from graft_exp.receiver import PEER
+from graft_exp.rollouts import Rollouts
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
           "We add the numbers: 12 + 30 = 42, so the answer is \\boxed{42}.", "Compute 7 * 6 and 99 - 3."]
@@ -205,7 +207,7 @@ def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
     gen = torch.Generator().manual_seed(0)
     if method.replays_stored_log:    # B replays A's log: one direction, no balancing
         a_to_b, _ = select_prompts(method, a.k, b.k, n, gen)
-        plan = assemble(method, b, a, a_to_b, scorers[1], gen)
+        plan = method.peer_loss.assemble(method, b, a, a_to_b, scorers[1], gen)
     else:
         _, plan, (a_to_b, _) = plan_pair(method, a, b, scorers, gen, (1.0, 1.0))
     peer = scorers[1].score(plan.nll, a) if plan.nll else scorers[1].scored
@@ -246,7 +248,7 @@ def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, 
         # one-way and unbalanced.
         assert a_to_b.tolist() == ([True, True, False, False, False] if name == "graft_stored" else
                                    [False, True, False, False, False])
-    if method.peer_loss.nll_only:
+    if method.objective == "sgt":
         assert plan.nll and all(int(source.rewards[q, i]) == 1 for q, i in plan.nll)   # a correct response
 
     groups = plan.minibatches(method, 2, torch.Generator().manual_seed(1))
@@ -256,7 +258,7 @@ def test_every_exchange_method_becomes_verl_rows(name, methods, char_tokenizer, 
     nonempty = [g for g in groups if any(r.group in g for r in plan.rows) or any(q in g for q, _ in plan.nll)]
     assert [set(mb.non_tensor_batch[vb.GROUP].tolist()) for mb in real] == [set(g) & set(cols[vb.GROUP].tolist())
                                                                           for g in nonempty]
-    if method.config.peer_position == "last" and not method.peer_loss.nll_only:   # SGT keeps GRPO's order
+    if method.config.peer_position == "last" and method.objective != "sgt":   # SGT keeps GRPO's order
         kinds = [bool(mb.batch[vl.IS_PEER].bool().any()) for mb in real]
         assert kinds == sorted(kinds)                                   # own-only minibatches first
 

@@ -20,8 +20,9 @@ vLLM's ``SamplingParams`` (n requests per prompt with distinct seeds, temperatur
 tokens) and responses end at a stop token or at the length limit; GRAFT exchanged responses across the two
 tokenizers, the receiver trained on them (peer tokens in its loss, its log-probs of them moved); a job stopped
 after its first checkpoint is resumed by a fresh driver into the same MLflow run, the saved weights loaded back
-(the live ones were trained past them); the same requests (prompts and seeds) sample the same tokens; GRPO n=8,
-SGT, HACPO (its KL term on verl's reference model) and dynamic sampling each train a step, checkpoint and evaluate.
+(the live ones were trained past them); the same requests (prompts and seeds) sample the same tokens; SGT,
+HACPO (its KL term on verl's reference model) and GRPO with dynamic sampling (the single-model path) each train a
+step, checkpoint and evaluate.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
 from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import start_models
+from graft_exp.evaluation import is_validation_step
 from graft_exp.tiny import models as tiny
 from graft_exp.tiny.paper_vocab import why_unavailable
 
@@ -85,8 +87,9 @@ VLLM_SETTINGS = (
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=96",
 )
 #: Every token the trainer scores costs a row of 128,256-151,936 logits (about 40x the old tiny tokenizers' work
-#: per token on two cores): 4 samples per prompt and 4 problems per benchmark keep the tier's time in check.
-OVERRIDES = [*SMALL, "backend.gpus_per_model=1", "pair.gpus=2", "eval.max_problems=4", "method.n=4",
+#: per token on two cores): 4 samples per prompt, 2 problems per benchmark and validation before training and at
+#: the last step (eval.val_every=2 over 2 steps) keep the tier's time in check.
+OVERRIDES = [*SMALL, "backend.gpus_per_model=1", "pair.gpus=2", "eval.max_problems=2", "method.n=4", "eval.val_every=2",
              "eval.val_samples=2", "eval.samples=2", "eval.runs=1", "train.top_p=1.0", "eval.temperature=0.6", "eval.top_p=0.95",
              "backend.verl_overrides=[{}]".format(",".join(f"'{o}'" for o in VLLM_SETTINGS))]
 #: Float noise between vLLM's fp32 forward (oneDNN GEMMs, its own attention) and the trainer's (transformers' SDPA),
@@ -315,14 +318,16 @@ def check_requests(engines: Engines, cfg, role: str) -> list[dict]:
 
 
 def check_job(job, cfg, steps=(1, 2)) -> dict:
-    """Both model runs FINISHED with a train/val/test record of every step; their histories."""
+    """Both model runs FINISHED with a train record of every step, a validation of each validation step (before
+    training, every eval.val_every, the last) and the final evaluation; their histories."""
     assert job.status == "FINISHED"
+    validated = [s for s in (0, *steps) if is_validation_step(s, int(cfg.eval.val_every), steps[-1])]
     out = {}
     for role, run in model_runs(job.client, job.run_id).items():
         assert run.info.status == "FINISHED"
         metrics = histories(job.client, run.info.run_id)
         assert [s for s, _ in metrics["train/reward_mean"]] == list(steps)
-        assert [s for s, _ in metrics["val/avg"]] == [0, *steps]
+        assert [s for s, _ in metrics["val/avg"]] == validated
         assert [s for s, _ in metrics["test/avg"]] == list(range(int(cfg.eval.runs)))
         assert all(np.isfinite(v) for _, v in metrics["train/loss"])
         out[role] = metrics
@@ -380,7 +385,7 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     check_job(job, cfg)
     assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-2"]   # the latest only
     log = dict(CheckedBackend.log)
-    assert len(log["rollouts"]) >= 4 and len(log["evaluations"]) >= 2 * (3 + int(cfg.eval.runs))
+    assert len(log["rollouts"]) >= 4 and len(log["evaluations"]) >= 2 * (2 + int(cfg.eval.runs))
     requests = {role: check_requests(engines, cfg, role) for role in ("A", "B")}
 
     # The real vocabularies' seams on the job: each model stops at its template's end of turn (SmolLM3's <|eot_id|>
@@ -437,18 +442,19 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     engines.requests("A")
 
 
-@pytest.mark.parametrize("method", ["grpo_n8", "sgt", "hacpo", "grpo_ds"])
+@pytest.mark.parametrize("method", ["sgt", "hacpo", "grpo_ds"])
 def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared, store_template, tmp_path,
                                                     engines, method, monkeypatch):
-    """A step, validations, a checkpoint and the final evaluation of the best checkpoint on the engines the graft
-    job started; every rollout checked against the trainer's weights, every request's settings. (Stopping and
-    resuming is the same for every method: the graft test does it; test_verl_contract resumes each.)"""
+    """A step on half the graft job's batch, validations, a checkpoint and the final evaluation of the best
+    checkpoint on the engines the graft job started; every rollout checked against the trainer's weights, every
+    request's settings. (Stopping and resuming is the same for every method: the graft test does it;
+    test_verl_contract resumes each.) GRPO with dynamic sampling is the single-model path GRPO n=8 takes too."""
     shutil.copy(store_template, tmp_path / "mlflow.db")
     # The untrained tiny models fail most groups, so dynamic sampling would draw DAPO's cap of 10 batches per
-    # step; 3 draws exercise the same refilling path.
-    monkeypatch.setattr(driver, "MAX_GEN_BATCHES", 3)
+    # step; 2 draws exercise the same refilling path.
+    monkeypatch.setattr(driver, "MAX_GEN_BATCHES", 2)
     CheckedBackend.reset()
-    batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"] if method == "grpo_ds" else []
+    batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"]
     # SGT's job sends its requests unseeded (vLLM's batched sampler), the others with a seed each.
     seeding = ["backend.seeded_requests=false"] if method == "sgt" else []
     cfg, job = job_maker(compose_cfg, paper_prepared, tmp_path, method, *batch, *seeding, "train.max_steps=1")()
@@ -457,5 +463,5 @@ def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared,
     for role in ("A", "B"):
         check_requests(engines, cfg, role)
     assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-1"]
-    if method == "grpo_n8":   # two independent models: neither trains on the other's responses
+    if method == "grpo_ds":   # two independent models: neither trains on the other's responses
         assert not CheckedBackend.log["exchanges"]

@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
 from graft_exp.costs import accounted_gpus
-from graft_exp.exchange import PEER, ReceiverBatch, Scorer
 from graft_exp.methods import Method
 from graft_exp.objective import COUNT_METRICS, NllRows, generation_mean_log_prob, receiver_loss
+from graft_exp.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scheduler import job_cores
 from graft_exp.tiny import models as tiny

@@ -37,6 +37,7 @@ class TrackedRun:
     client: MlflowClient
     run_id: str
     resumed: bool = False
+    budget_gpu_hours: float | None = None   # a job's GPU-hour budget, resolved once by ``open_job`` (None: steps alone)
     _logged: dict[str, set[int]] = field(default_factory=dict)
 
     def logged_steps(self, key: str) -> set[int]:
@@ -146,8 +147,9 @@ def common_tags(cfg: DictConfig) -> dict[str, str]:
 
 def key_params(cfg: DictConfig) -> dict[str, str]:
     """Short top-level params to group and filter by in the UI, beside the flattened config.
-    ``delta`` is the compatibility floor of methods that gate peer responses, else ``none``."""
-    gated = cfg.method.co_train and cfg.method.gate
+    ``delta`` is the compatibility floor of methods that gate peer responses (``methods.Method.gated``), else
+    ``none``."""
+    gated = methods.resolve(cfg.method).gated
     return {"method": cfg.method.name, "pair": cfg.pair.name, "seed": str(cfg.seed),
             "delta": str(cfg.method.delta) if gated else "none", "n": str(cfg.method.n),
             "backend": cfg.backend.name}
@@ -272,6 +274,7 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
     job = _open(client, experiment_id, key, tags, name, cfg.rerun)
     if job is not None:
+        job.budget_gpu_hours = budget
         job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
         job.log_params(run_params(cfg))
         log_dataset_inputs(client, job.run_id, cfg)

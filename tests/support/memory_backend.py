@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from graft_exp.contract import Generation, Sampled
-from graft_exp.exchange import PEER, ReceiverBatch
 from graft_exp.methods import Method
 from graft_exp.objective import COUNT_METRICS, LossSpec
+from graft_exp.receiver import PEER, ReceiverBatch
 from graft_exp.rollouts import Rollouts
 
 

@@ -34,8 +34,9 @@ from graft_exp.backends.verl.loss import (
     SOURCE_MEAN_LOG_PROB,
     WEIGHT,
 )
-from graft_exp.exchange import PEER, SELF, ReceiverBatch, Rollouts, Row
 from graft_exp.prompts import end_of_turn_id
+from graft_exp.receiver import PEER, SELF, ReceiverBatch, Row
+from graft_exp.rollouts import Rollouts
 
 #: Non-tensor columns of peer and receiver rows: the prompt's index in the step's batch, the response's
 #: index in its generating model's group, and the exchange's group of the row (``Row.group``: the unit

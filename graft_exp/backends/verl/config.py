@@ -90,7 +90,7 @@ def optimizer_updates_per_step(cfg: DictConfig) -> int:
     HACPO: its own and its peer's groups, 2 x 128 / 64 = 4). A step whose gate removed a whole minibatch
     takes one fewer. The runtime calls ``update_actor`` once per optimizer step and verl's LR scheduler
     steps once per call, so these are also the scheduler's steps."""
-    groups = int(cfg.train.batch_prompts) * resolve(cfg.method).peer_loss.groups_per_prompt
+    groups = resolve(cfg.method).peer_loss.receiver_groups(int(cfg.train.batch_prompts))
     return int(cfg.train.ppo_epochs) * math.ceil(groups / minibatch_prompts(cfg))
 
 
@@ -142,7 +142,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
     place = placement(cfg)
     train_file, val_files = data_files(cfg)
     resolved = resolve(method)
-    peer_loss = resolved.peer_loss
+    clip_low, clip_high = resolved.peer_loss.clip_range(method)
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[train.precision]
     optimizer = {"adamw": "AdamW"}[str(train.optimizer).lower()]
     # Every update goes through graft_exp's loss, whose only KL term is HACPO's (config.validate refuses
@@ -185,8 +185,8 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
                 "use_dynamic_bsz": True,
                 "ppo_max_token_len_per_gpu": int(backend.max_token_len_per_gpu),
                 "clip_ratio": float(method.clip_low),
-                "clip_ratio_low": float(method.hacpo.self_clip_low if peer_loss.own_clip else method.clip_low),
-                "clip_ratio_high": float(method.hacpo.self_clip_high if peer_loss.own_clip else method.clip_high),
+                "clip_ratio_low": clip_low,
+                "clip_ratio_high": clip_high,
                 "clip_ratio_c": float(method.clip_ratio_c),
                 "loss_agg_mode": "token-mean",
                 "entropy_coeff": float(train.entropy_coef),
