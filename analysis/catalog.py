@@ -6,6 +6,8 @@ Everything here is display or bookkeeping; the runs themselves are identified by
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import OmegaConf
 
 from graft_exp.config import MODELS_FILE, MethodConfig
@@ -109,6 +111,8 @@ def order_benches(benches) -> list[str]:
 
 
 # The one place that says which sweep file produces which runs (named in "missing" warnings).
+#: The repository root (the sweep files' paths are relative to it).
+ROOT = Path(__file__).resolve().parents[1]
 SWEEP_FILES = {
     "main": "sweeps/main.yaml",
     "ablation": "sweeps/ablation.yaml",
@@ -143,6 +147,15 @@ def sweep_for(table: str, method: str, seed: int, model: str | None = None) -> s
         study = "ablation"
     elif method in ALTERNATIVE_DESIGNS:
         study = "alternatives"
-    else:
+    elif method in main_sweep_methods():
         study = "main"
+    else:
+        return "none of sweeps/ (add the method to a sweep file's runs)"
     return SWEEP_FILES[study]
+
+
+def main_sweep_methods() -> set[str]:
+    """The methods sweeps/main.yaml runs (its ``runs``' ``method`` values)."""
+    sweep = OmegaConf.load(ROOT / SWEEP_FILES["main"])
+    names = [grid.method for grid in sweep.runs]
+    return {str(m) for name in names for m in (name if OmegaConf.is_list(name) else [name])}

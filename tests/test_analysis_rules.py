@@ -61,6 +61,8 @@ def test_sweep_mapping_lives_in_one_place():
     assert catalog.sweep_for("compute", "grpo_ds", 0) == "sweeps/compute.yaml"
     assert catalog.sweep_for("ablation-full", catalog.delta_method(0.7), 0) == "sweeps/delta.yaml"
     assert catalog.sweep_for("clipfrac-position", "graft", 0) == "sweeps/clip_dynamics.yaml"
+    # a method no sweep file runs is attributed to none (not to sweeps/main.yaml)
+    assert catalog.sweep_for("main-results", "graft_top_half", 0).startswith("none of sweeps/")
     assert catalog.method_display(catalog.delta_method(0.9)) == "δ=0.9"
 
 

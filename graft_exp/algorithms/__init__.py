@@ -38,6 +38,7 @@ from .ordering import (
     uniform_minibatches,
 )
 from .selection import (
+    balanced,
     balanced_exchange,
     complementary_candidates,
     count_matched_random_exchange,
@@ -65,6 +66,7 @@ __all__ = [
     "HACPO_MINIBATCH_PROMPTS",
     "HACPO_SELF_CLIP_HIGH",
     "HACPO_SELF_CLIP_LOW",
+    "balanced",
     "balanced_exchange",
     "compatibility_score",
     "compatibility_weight",

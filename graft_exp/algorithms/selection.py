@@ -62,6 +62,13 @@ def balanced_exchange(
     b_to_a = complementary_candidates(k_b, k_a, n)
     if not balance:
         return a_to_b, b_to_a
+    return balanced(a_to_b, b_to_a, k_a, k_b)
+
+
+def balanced(a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor,
+             k_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.1's balancing of candidate masks: m = min(|C_{A->B}|, |C_{B->A}|), each direction keeping
+    ``select_with_ties(C, k_source, m)``. Returns ``(a_to_b, b_to_a)``."""
     m = min(int(a_to_b.sum()), int(b_to_a.sum()))
     return select_with_ties(a_to_b, k_a, m), select_with_ties(b_to_a, k_b, m)
 
