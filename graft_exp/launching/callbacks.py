@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -169,10 +169,11 @@ def finished_keys(uris: set[str]) -> set[str]:
     return keys
 
 
-def order_needs(jobs: list[PlannedJob], uris: set[str]) -> list[str]:
+def order_needs(jobs: list[PlannedJob], finished: set[str]) -> list[str]:
     """Why the jobs of a multirun must run one after another (empty: they may overlap): shared
-    GRPO baselines two of them would train, stored-trajectory jobs replaying an earlier job's log."""
-    clashes = shared_baseline_clashes(jobs, finished_keys(uris))
+    GRPO baselines two of them would train (``finished``: the run keys already FINISHED), stored-trajectory
+    jobs replaying an earlier job's log."""
+    clashes = shared_baseline_clashes(jobs, finished)
     stored = set(missing_stored_logs(jobs, parallel=True)) - set(missing_stored_logs(jobs, parallel=False))
     return [f"{c} (a shared GRPO baseline)" for c in clashes] + [
         f"{len(stored)} graft_stored job(s) replay the log of an earlier GRPO n=8 job"] * bool(stored)
@@ -269,110 +270,148 @@ class FailureMonitor(threading.Thread):
                 log.warning("failure monitor: %s", err)
 
 
-# The launching process's monitor lives outside the callback: Hydra's submitit launcher pickles
-# the callbacks into every job, and a thread cannot be pickled.
-_monitors: list[FailureMonitor] = []
-_experiments: dict[tuple[str, str], str] = {}   # (store, experiment name) -> id, for the hint at the end
-_planned: list[PlannedJob] = []                  # this multirun's jobs, for the results table at the end
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What launching a multirun does, decided from its jobs and what the stores already hold (``plan``) before
+    anything is launched; ``LaunchCallback`` applies it."""
+
+    refusal: str | None = None            # why nothing is launched (the launch exits 2 with it)
+    one_at_a_time: str | None = None      # why the jobs run one after another, in order (the launcher's n_jobs=1)
+    slurm_request: dict[str, int] = field(default_factory=dict)   # hydra.launcher keys from the jobs' plans
+    job_cores: str | None = None          # scheduler.JOB_CORES_ENV for the job processes (None: their own count)
+    monitor: bool = False                 # report each job's start, finish and failure as they happen
+
+
+def refusal_before_stores(jobs: list[PlannedJob], cluster: DictConfig, launcher: DictConfig,
+                          overridden: set[str]) -> str | None:
+    """Why nothing may be created or launched, from the jobs alone: an invalid job, ``backend=verl`` jobs that
+    ``cluster=submitit_local`` would start on the same GPUs, a resource plan that cannot fit."""
+    problems = []
+    for job in jobs:
+        try:
+            validate_job(job.cfg)
+        except ConfigError as err:
+            problems.append(f"  job {job.label}: {err}")
+    if problems:
+        return "invalid configuration, nothing launched:\n" + "\n".join(problems)
+    sharing = shared_gpus(cluster.name, jobs)
+    if sharing and cluster.name == "submitit_local":
+        return (f"nothing launched: cluster=submitit_local starts all {len(jobs)} jobs at once, and {sharing}: "
+                "launch them with cluster=local (one after another) or cluster=slurm")
+    _, problems = check_plans(jobs, set(), launcher, overridden)
+    if problems:
+        return "resource plan refused, nothing launched:\n" + "\n".join(problems)
+    return None
+
+
+def plan(jobs: list[PlannedJob], cluster: DictConfig, launcher: DictConfig, overridden: set[str],
+         finished: set[str], *, reported_elsewhere: bool = False) -> LaunchPlan:
+    """How the multirun's jobs launch, once their stores exist (``finished``: the run keys FINISHED there): the
+    Slurm request from the plans (a job whose other member's shared baseline finished asks for its own pool
+    only); one after another where they would share GPUs or where order matters (``cluster.in_order_when_needed``:
+    shared GRPO baselines, stored replay of an earlier job's log), else refused when order matters; each job's
+    share of this machine's cores; refused when a stored-trajectory job has no log to replay.
+    ``reported_elsewhere``: ``python -m graft_exp.sweep`` reports the jobs' states itself (no monitor)."""
+    request = {}
+    if cluster.name == "slurm":
+        plans, _ = check_plans(jobs, finished, launcher, overridden)
+        request = slurm_request(plans, overridden)
+    parallel, one_at_a_time = bool(cluster.parallel), None
+    if parallel:
+        one_at_a_time = shared_gpus(cluster.name, jobs)
+        if one_at_a_time is None and cluster.get("in_order_when_needed"):
+            one_at_a_time = "; ".join(order_needs(jobs, finished)) or None
+        parallel = one_at_a_time is None
+    cores = None
+    if parallel and cluster.get("exclusive"):
+        cores = "1"   # the joblib workers share this machine's cores, one each
+    elif parallel and cluster.name == "submitit_local":
+        cores = str(max(1, scheduler.job_cores() // len(jobs)))   # all start at once: a share each
+    missing_logs = missing_stored_logs(jobs, parallel)
+    if missing_logs:
+        return LaunchPlan(refusal="nothing launched: stored-trajectory jobs have no log to replay:\n  "
+                                  + "\n  ".join(missing_logs) + "\n(`python -m graft_exp.sweep` launches them after "
+                                  "their GRPO n=8 jobs)")
+    clashes = shared_baseline_clashes(jobs, finished) if parallel else []
+    if clashes:
+        return LaunchPlan(refusal="nothing launched: jobs running at the same time would train the same shared GRPO "
+                                  "baseline twice:\n  " + "\n  ".join(clashes) + "\nLaunch the sweep with "
+                                  "`python -m graft_exp.sweep` (it orders them), or these jobs one after another.")
+    return LaunchPlan(one_at_a_time=one_at_a_time, slurm_request=request, job_cores=cores,
+                      monitor=parallel and not reported_elsewhere)
 
 
 class LaunchCallback(Callback):
-    """Installed by every ``conf/cluster/*.yaml``: see the module docstring."""
+    """Installed by every ``conf/cluster/*.yaml``: see the module docstring. It applies ``plan``'s decisions in
+    the launching process; what it holds there (the failure monitor's thread, the multirun's jobs and stores)
+    is not pickled into the jobs Hydra's submitit launcher starts."""
+
+    def __init__(self) -> None:
+        self.monitors: list[FailureMonitor] = []
+        self.planned: list[PlannedJob] = []
+        self.experiments: dict[tuple[str, str], str] = {}   # (store, experiment name) -> id, for the hint at the end
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         jobs = multirun_jobs(config)
         if jobs is None:
-            log.warning("sweeper %s: jobs are validated one by one as they start",
-                        config.hydra.sweeper._target_)
+            log.warning("sweeper %s: jobs are validated one by one as they start", config.hydra.sweeper._target_)
             return
-        problems = []
-        for job in jobs:
-            try:
-                validate_job(job.cfg)
-            except ConfigError as err:
-                problems.append(f"  job {job.label}: {err}")
-        if problems:
-            fail_before_launch("invalid configuration, nothing launched:\n" + "\n".join(problems))
-        stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
-        sharing = shared_gpus(config.cluster.name, jobs)
-        if sharing and config.cluster.name == "submitit_local":
-            fail_before_launch(f"nothing launched: cluster=submitit_local starts all {len(jobs)} jobs at once, and "
-                               f"{sharing}: launch them with cluster=local (one after another) or cluster=slurm")
+        launcher = config.hydra.launcher
         overridden = {o.split("=", 1)[0].removeprefix("hydra.launcher.")
                       for o in config.hydra.overrides.hydra if o.startswith("hydra.launcher.")}
-        _, problems = check_plans(jobs, set(), config.hydra.launcher, overridden)
-        if problems:   # before the store exists: a plan that cannot fit creates nothing
-            fail_before_launch("resource plan refused, nothing launched:\n" + "\n".join(problems))
+        refusal = refusal_before_stores(jobs, config.cluster, launcher, overridden)
+        if refusal:   # before any store exists: a job that cannot run creates nothing
+            fail_before_launch(refusal)
+        stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
         try:
-            for uri, experiment in sorted(stores):
-                _experiments[(uri, experiment)] = tracking.ensure_store(uri, experiment)
+            experiments = {store: tracking.ensure_store(*store) for store in sorted(stores)}
         except tracking.TrackingError as err:
             fail_before_launch(f"nothing launched: {err}")
-        if config.cluster.name == "slurm":
-            # A job whose other member's shared baseline already finished asks for its own pool only.
-            plans, _ = check_plans(jobs, finished_keys({uri for uri, _ in stores}), config.hydra.launcher, overridden)
-            request = slurm_request(plans, overridden)
-            with read_write(config.hydra.launcher):
-                config.hydra.launcher.update(request)
-            log.info("Slurm request per job: %s", ", ".join(f"{k}={v}" for k, v in request.items()))
-        parallel = bool(config.cluster.parallel)
-        if parallel and sharing:
-            log.info("the %d jobs run one after another: %s", len(jobs), sharing)
-            with read_write(config.hydra.launcher):
-                config.hydra.launcher.n_jobs = 1
-            parallel = False
-        if parallel and config.cluster.get("in_order_when_needed"):
-            reasons = order_needs(jobs, {uri for uri, _ in stores})
-            if reasons:
-                log.info("the %d jobs run one after another, in order: %s", len(jobs), "; ".join(reasons))
-                with read_write(config.hydra.launcher):
-                    config.hydra.launcher.n_jobs = 1   # the joblib launcher runs them in this order
-                parallel = False
-        if parallel and config.cluster.get("exclusive"):
-            # The jobs share this machine's cores, one each: the joblib workers started after this inherit it.
-            os.environ[scheduler.JOB_CORES_ENV] = "1"
-        elif parallel and config.cluster.name == "submitit_local":
-            # All jobs start at once on this machine: each takes its share of the cores (its reward workers,
-            # its models trained side by side); submitit's job processes inherit this environment.
-            os.environ[scheduler.JOB_CORES_ENV] = str(max(1, scheduler.job_cores() // len(jobs)))
-        missing_logs = missing_stored_logs(jobs, parallel)
-        if missing_logs:
-            fail_before_launch("nothing launched: stored-trajectory jobs have no log to replay:\n  "
-                               + "\n  ".join(missing_logs) + "\n(`python -m graft_exp.sweep` launches "
-                               "them after their GRPO n=8 jobs)")
+        uris = {uri for uri, _ in stores}
+        launch = plan(jobs, config.cluster, launcher, overridden, finished_keys(uris),
+                      reported_elsewhere=bool(os.environ.get(SWEEP_ENV)))
+        if launch.refusal:
+            fail_before_launch(launch.refusal)
+        with read_write(launcher):
+            launcher.update(launch.slurm_request)
+            if launch.one_at_a_time:
+                launcher.n_jobs = 1   # the joblib launcher runs them in this order
+        if launch.slurm_request:
+            log.info("Slurm request per job: %s", ", ".join(f"{k}={v}" for k, v in launch.slurm_request.items()))
+        if launch.one_at_a_time:
+            log.info("the %d jobs run one after another, in order: %s", len(jobs), launch.one_at_a_time)
+        if launch.job_cores:   # the job processes started after this inherit it
+            os.environ[scheduler.JOB_CORES_ENV] = launch.job_cores
         report_sacct_errors_once()
-        if parallel:
-            clashes = shared_baseline_clashes(jobs, finished_keys({uri for uri, _ in stores}))
-            if clashes:
-                fail_before_launch(
-                    "nothing launched: jobs running at the same time would train the same shared "
-                    "GRPO baseline twice:\n  " + "\n  ".join(clashes) +
-                    "\nLaunch the sweep with `python -m graft_exp.sweep` (it orders them), or these "
-                    "jobs one after another.")
-            if not os.environ.get(SWEEP_ENV):   # python -m graft_exp.sweep reports states itself
-                monitor = FailureMonitor(jobs, float(config.cluster.poll_s))
-                monitor.start()
-                _monitors.append(monitor)
-        _planned[:] = jobs
-        log.info("pre-launch checks passed: %d jobs, store(s) %s", len(jobs),
-                 ", ".join(sorted({uri for uri, _ in stores})))
+        if launch.monitor:
+            monitor = FailureMonitor(jobs, float(config.cluster.poll_s))
+            monitor.start()
+            self.monitors.append(monitor)
+        self.planned, self.experiments = jobs, experiments
+        log.info("pre-launch checks passed: %d jobs, store(s) %s", len(jobs), ", ".join(sorted(uris)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        while _monitors:
-            monitor = _monitors.pop()
+        while self.monitors:
+            monitor = self.monitors.pop()
             monitor.stop.set()
             monitor.poll()   # the last word on every job, before Hydra's own summary
         if not os.environ.get(SWEEP_ENV):   # python -m graft_exp.sweep prints one table for all its multiruns
-            swept = varying_overrides(_planned)
-            for uri in sorted({job.cfg.tracking.uri for job in _planned}):
+            swept = varying_overrides(self.planned)
+            for uri in sorted({job.cfg.tracking.uri for job in self.planned}):
                 labels = [(f"#{job.index} {' '.join(swept[job.index]) or 'defaults'}", job.key)
-                          for job in _planned if job.cfg.tracking.uri == uri]
-                summary.print_jobs(uri, labels, f"multirun of {len(_planned)} jobs: results",
-                                   reference=_planned[0].cfg.compare_to if _planned else None)
-        _planned.clear()
-        for (uri, _), experiment_id in sorted(_experiments.items()):
+                          for job in self.planned if job.cfg.tracking.uri == uri]
+                summary.print_jobs(uri, labels, f"multirun of {len(self.planned)} jobs: results",
+                                   reference=self.planned[0].cfg.compare_to if self.planned else None)
+        self.planned = []
+        for (uri, _), experiment_id in sorted(self.experiments.items()):
             log.info(tracking.compare_hint(uri, experiment_id))
-        _experiments.clear()
+        self.experiments = {}
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if job_return.status == JobStatus.FAILED and os.environ.get("SUBMITIT_FOLDER"):
