@@ -176,6 +176,42 @@ def test_control_flows_one_way():
     assert not circles, f"import circles: {circles}"
 
 
+def design_layers() -> dict[str, int]:
+    """docs/design.md's architecture table: each unit (a module, ``package/``, ``tiny/__main__``) and its layer,
+    0 at the bottom."""
+    text = (Path(methods.__file__).parents[1] / "docs" / "design.md").read_text()
+    block = text.split("## The architecture in one picture", 1)[1].split("```", 2)[1]
+    rows = [line.split("│") for line in block.splitlines() if line.count("│") == 2][1:]   # the header row out
+    return {unit: len(rows) - 1 - i for i, row in enumerate(rows) for unit in row[1].split()}
+
+
+def unit_of(module: str) -> str | None:
+    """The design table's unit of a ``graft_exp`` module name (None: the package itself)."""
+    root = Path(methods.__file__).parent
+    parts = module.split(".")[1:]
+    if not parts:
+        return None
+    if (root / parts[0]).is_dir():
+        return "tiny/__main__" if parts[:2] == ["tiny", "__main__"] else parts[0] + "/"
+    return parts[0]
+
+
+def test_the_design_table_lists_every_module_and_imports_only_go_down():
+    layers, root = design_layers(), Path(methods.__file__).parent
+    units = {unit_of("graft_exp." + ".".join(p.relative_to(root).with_suffix("").parts))
+             for p in root.rglob("*.py") if p.name != "__init__.py" or p.parent != root}
+    assert units == set(layers), f"not in docs/design.md's table: {sorted(units - set(layers))}; " \
+                                 f"no such module: {sorted(set(layers) - units)}"
+    upward = []
+    for path in root.rglob("*.py"):
+        source = unit_of("graft_exp." + ".".join(path.relative_to(root).with_suffix("").parts))
+        for module in imported_modules(path):
+            target = unit_of(module) if module.startswith("graft_exp") else None
+            if source and target and target in layers and layers[target] > layers[source]:
+                upward.append(f"{source} imports {module}")
+    assert not upward, upward
+
+
 def test_a_rule_reads_its_parameters_from_the_method_config(request, compose_cfg):
     """A rule registered with ``params`` gets them from ``method.params`` (its factory receives the config);
     a missing one and one no rule reads fail naming the keys; only a non-empty ``params`` enters the run key."""
