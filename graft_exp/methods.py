@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from graft_exp.peer_losses import HacpoPeerLoss, NllPeerLoss, PeerLoss
-from graft_exp.registry import Registry, UnknownName, fixed
+from graft_exp.registry import Registry, RuleParam, UnknownName, fixed
 
 if TYPE_CHECKING:   # the rules import torch when they run: config, tracking and launching stay torch-free
     import torch
@@ -91,6 +91,19 @@ SELECTIONS.register("rescue", fixed(Selection(_rescue)))
 SELECTIONS.register("random_prompts", fixed(Selection(_random_prompts, one_direction_ok=False)))
 #: every prompt (HACPO)
 SELECTIONS.register("all", fixed(Selection(_every, every_prompt=True)))
+
+
+#: eq. (3) from the source's top fraction of prompts by successes, balanced (the worked example of
+#: docs/adding-a-method.md)
+@SELECTIONS.register("top_fraction", params={"top_fraction": RuleParam(float, 0.0, 1.0)})
+def _top_fraction(method):
+    """eq. (3) from the source's top ``method.params.top_fraction`` prompts, balanced (§3.1)."""
+    fraction = float(method.params.top_fraction)
+
+    def rule(k_a, k_b, n, generator):
+        from graft_exp.algorithms.selection import top_fraction_exchange
+        return top_fraction_exchange(k_a, k_b, n, fraction)
+    return Selection(rule, one_direction_ok=False)   # balanced: stored replay cannot use it
 
 
 #: ``admit(score [S, n], generator) -> w [S, n]``: weights of transferred responses (0 = removed).
@@ -288,6 +301,7 @@ declare("graft_success_only_no_floor", "+ w/o floor", "graft")
 declare("hacpo_which", "HACPO + GRAFT which", "hacpo")
 declare("sgt_which", "SGT + GRAFT which", "sgt")
 declare("graft_luffy", "GRAFT + LUFFY update", "graft")
+declare("graft_top_half", "GRAFT, peers' top half", "graft")
 
 
 def declaration(name: str) -> Declaration:

@@ -1,7 +1,7 @@
-"""docs/adding-a-method.md's worked example, run as written: its three code blocks (the rule's math, its
-registration and the method's declaration, the method's YAML) added to the real modules and config, the rule
-checked by hand, the parameter checks' messages as the page quotes them, and the method trained for two steps on
-the tiny pair through the local backend."""
+"""docs/adding-a-method.md's worked example, ``graft_top_half``, is the one the project ships, word for word:
+each code block of the page stands in the file its first line names; the rule checked by hand, the parameter
+checks' messages as the page quotes them, and the method trained for two steps on the tiny pair through the local
+backend."""
 
 from __future__ import annotations
 
@@ -14,31 +14,32 @@ import torch
 from support.mlflow_records import histories, model_runs
 
 from graft_exp import driver, methods, tracking
-from graft_exp.algorithms import balanced_exchange, selection
+from graft_exp.algorithms import balanced_exchange
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "adding-a-method.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "adding-a-method.md"
 
 
-def blocks(kind: str) -> list[str]:
-    return re.findall(rf"```{kind}\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
+def test_the_page_s_code_is_the_shipped_code():
+    """A block opens with a comment naming its file (``# graft_exp/methods.py: ...``); each of its code lines
+    stands in that file, in the block's order."""
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
+    assert len(blocks) == 3
+    for block in blocks:
+        header, *code = block.splitlines()
+        path = header.removeprefix("# ").split(":")[0].split(" (")[0]
+        shipped, at = (ROOT / path).read_text().splitlines(), 0
+        for line in code:
+            if line.strip() and not line.startswith("#"):
+                assert line in shipped[at:], f"{path} lacks, after line {at}, the page's line {line!r}"
+                at = shipped.index(line, at) + 1
 
 
 @pytest.fixture
-def top_half(request, tmp_path, monkeypatch):
-    """The page's code added where it says (restored afterwards) and its YAML in a config directory Hydra searches
-    beside the project's: the overrides that compose ``method=graft_top_half``."""
-    math, registration = blocks("python")
-    added: dict = {}
-    exec(math, vars(selection) | {}, added)   # noqa: S102 (the page's code, run as written)
-    monkeypatch.setattr(selection, "top_fraction_exchange", added["top_fraction_exchange"], raising=False)
-    exec(registration, vars(methods) | {})   # noqa: S102
-    request.addfinalizer(lambda: (methods.SELECTIONS.pop("top_fraction"), methods.SELECTIONS.params.pop("top_fraction"),
-                                  methods.METHODS.pop("graft_top_half")))
-    (tmp_path / "conf" / "method").mkdir(parents=True)
-    (tmp_path / "conf" / "method" / "graft_top_half.yaml").write_text(blocks("yaml")[0])
-    return [f"hydra.searchpath=[file://{tmp_path}/conf]", "method=graft_top_half"]
+def top_half():
+    return ["method=graft_top_half"]
 
 
 def test_the_worked_example_selects_the_peers_top_fraction_balanced(top_half, compose_cfg):

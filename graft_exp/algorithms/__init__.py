@@ -49,6 +49,7 @@ from .selection import (
     resolve_sources,
     select_with_ties,
     sgt_rescue_prompts,
+    top_fraction_exchange,
 )
 from .weights import (
     compatibility_score,
@@ -101,6 +102,7 @@ __all__ = [
     "sgt_nll_loss",
     "sgt_rescue_prompts",
     "success_only_weights",
+    "top_fraction_exchange",
     "ungated_weight",
     "uniform_minibatches",
 ]

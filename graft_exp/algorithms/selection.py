@@ -73,6 +73,16 @@ def balanced(a_to_b: torch.Tensor, b_to_a: torch.Tensor, k_a: torch.Tensor,
     return select_with_ties(a_to_b, k_a, m), select_with_ties(b_to_a, k_b, m)
 
 
+def top_fraction_exchange(k_a, k_b, n, fraction):
+    """eq. (3)'s candidates C_{S->R}, kept where k_S(q) is among the top ``fraction`` of S's prompts by
+    successes (ties at the cut kept), then balanced as GRAFT (§3.1). Returns ``(a_to_b, b_to_a)``."""
+    def top(k):
+        cut = torch.sort(k, descending=True).values[max(1, round(fraction * len(k))) - 1]
+        return k >= cut
+    return balanced(complementary_candidates(k_a, k_b, n) & top(k_a),
+                    complementary_candidates(k_b, k_a, n) & top(k_b), k_a, k_b)
+
+
 def sgt_rescue_prompts(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """SGT's selection (App. B): the receiver has no success and the peer at least one (k = n included),
     both directions, no balancing. Returns ``(a_to_b, b_to_a)``."""
