@@ -29,7 +29,8 @@ from graft_exp import methods as registry
 from graft_exp.config import register_schemas
 from graft_exp.config import roles as members
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
 SMALL = ["seed=0", "train.batch_prompts=8", "train.minibatch_prompts=4", "eval.max_problems=2",
          "eval.runs=2", "eval.samples=1", "eval.val_every=1", "backend.progress=false", "backend.threads=1"]
 WALL_CLOCK = {"cost/gpu_hours"}
@@ -59,9 +60,10 @@ def verl_configs(method: str, group: str | None) -> dict:
     from graft_exp.backends.verl.config import verl_config
     cfg = composed(f"method={method}", "backend=verl", "pair=pair1", "backend.model_dir=/models", "backend.data_dir=/data",
                    *([f"group={group}"] if group else []))
-    roles = members(cfg.pair)
-    return {role: OmegaConf.to_container(verl_config(cfg, role, "CKPT", training_steps=10), resolve=True)
-            for role in roles}
+    configs = {role: OmegaConf.to_container(verl_config(cfg, role, "CKPT", training_steps=10), resolve=True)
+               for role in members(cfg.pair)}
+    # the checkout's own path (the agent loop's config file) is not behaviour: two checkouts compare equal
+    return json.loads(json.dumps(configs).replace(str(ROOT), "<repo>"))
 
 
 def run_job(method: str, steps: int, tmp: str, group: str | None) -> dict:
