@@ -4,6 +4,8 @@ effect; ``LaunchCallback`` only applies it (tests/test_resources.py, test_launch
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -12,8 +14,11 @@ from graft_exp.launching.callbacks import LaunchPlan, PlannedJob, plan, refusal_
 
 
 @pytest.fixture
-def jobs_of(compose_cfg, tmp_path):
-    """The multirun's jobs for each list of overrides, on ``cluster`` (its group config: parallel, ordering)."""
+def jobs_of(compose_cfg, tmp_path, store_template):
+    """The multirun's jobs for each list of overrides, on ``cluster`` (its group config: parallel, ordering), and
+    their store as the callback leaves it before planning: created, empty."""
+    shutil.copy(store_template, tmp_path / "store.db")
+
     def make(cluster: str, *points: list[str]):
         cfgs = [compose_cfg(f"cluster={cluster}", f"tracking.uri=sqlite:///{tmp_path}/store.db",
                             f"checkpoint_root={tmp_path}/ckpt", *point) for point in points]
@@ -59,8 +64,9 @@ def test_the_slurm_request_follows_the_plans_and_keeps_what_the_user_set(jobs_of
     assert "hydra.launcher.mem_gb=1 is below its plan's 2" in refusal_before_stores(jobs, cluster, launcher, {"mem_gb"})
 
 
-def test_an_invalid_job_is_refused_before_any_store_exists(jobs_of, tmp_path):
+def test_an_invalid_job_is_refused_before_any_store_is_touched(jobs_of, tmp_path):
     jobs, cluster = jobs_of("local", ["seed=0"], ["seed=1", "method.delta=1.5"])
+    before = (tmp_path / "store.db").read_bytes()
     refused = refusal_before_stores(jobs, cluster, OmegaConf.create({}), set())
     assert refused.startswith("invalid configuration, nothing launched:") and "job #1" in refused
-    assert not (tmp_path / "store.db").exists()
+    assert (tmp_path / "store.db").read_bytes() == before
