@@ -29,7 +29,7 @@ import itertools
 
 import torch
 
-from graft_exp.algorithms import compatibility_score, resolve_sources
+from graft_exp.algorithms import resolve_sources
 from graft_exp.methods import Method
 from graft_exp.receiver import Scorer
 from graft_exp.rollouts import Rollouts
@@ -106,18 +106,7 @@ def source_for(method: Method, receiver: str, candidates: list[Rollouts], offere
                generator: torch.Generator) -> torch.Tensor:
     """long [P]: which of ``candidates`` the receiver takes each prompt from (-1: none), by the method's
     source rule (eq. K2 of docs/exchange-k.md)."""
-    rule = method.source_rule
-    preference = torch.zeros(offered.shape, dtype=torch.float64)
-    if rule.by_successes:
-        preference = torch.stack([c.k for c in candidates]).double()
-    elif rule.by_compatibility:
-        contested = offered.sum(dim=0) > 1   # only a prompt with a choice needs the extra scoring
-        for j, candidate in enumerate(candidates):
-            prompts = torch.nonzero(contested & offered[j]).flatten().tolist()
-            if prompts:
-                recv_sum, recv_count = scorer(prompts, candidate)
-                preference[j, prompts] = compatibility_score(
-                    recv_sum, recv_count, candidate.logp_sum[prompts], candidate.num_tokens[prompts]).double().mean(dim=1)
+    preference = method.source_rule.preference(candidates, offered, scorer)
     return resolve_sources(offered, preference, generator)
 
 

@@ -232,17 +232,46 @@ SOURCES.register("stored", fixed(Source(replays_log_of="grpo_n8",   # App. B "Sa
 @dataclass(frozen=True)
 class SourceRule:
     """A group of K > 2 (docs/exchange-k.md): which source a receiver takes a prompt from when several offer it.
-    ``algorithms.resolve_sources`` takes the offering source of highest preference, ties drawn uniformly (all
-    tied: a uniform draw). Never consulted with two models: no prompt has two sources."""
+    ``preference(candidates, offered, scorer)`` -> float64 [K, P], each offering source's preference for each
+    prompt; ``algorithms.resolve_sources`` takes the offering source of highest preference, ties drawn uniformly
+    (all tied: a uniform draw). Never consulted with two models: no prompt has two sources."""
 
-    by_successes: bool = False          # preference k_S(q), as SelectWithTies ranks candidates
-    by_compatibility: bool = False      # preference: the mean eq. (8) score of S's group under the receiver
+    preference: Callable
+
+
+def _by_successes(candidates, offered, scorer):
+    """k_S(q), as SelectWithTies ranks candidates."""
+    import torch
+    return torch.stack([c.k for c in candidates]).double()
+
+
+def _by_compatibility(candidates, offered, scorer):
+    """The mean eq. (8) score of S's group under the receiver, on the prompts with a choice (the extra scoring
+    runs only there)."""
+    import torch
+
+    from graft_exp.algorithms import compatibility_score
+    preference = torch.zeros(offered.shape, dtype=torch.float64)
+    contested = offered.sum(dim=0) > 1
+    for j, candidate in enumerate(candidates):
+        prompts = torch.nonzero(contested & offered[j]).flatten().tolist()
+        if prompts:
+            recv_sum, recv_count = scorer(prompts, candidate)
+            preference[j, prompts] = compatibility_score(
+                recv_sum, recv_count, candidate.logp_sum[prompts], candidate.num_tokens[prompts]).double().mean(dim=1)
+    return preference
+
+
+def _no_preference(candidates, offered, scorer):
+    """Every offering source alike: a uniform draw."""
+    import torch
+    return torch.zeros(offered.shape, dtype=torch.float64)
 
 
 SOURCE_RULES = Registry("method.source_rule")
-SOURCE_RULES.register("most_successes", fixed(SourceRule(by_successes=True)))
-SOURCE_RULES.register("compatibility", fixed(SourceRule(by_compatibility=True)))
-SOURCE_RULES.register("random", fixed(SourceRule()))
+SOURCE_RULES.register("most_successes", fixed(SourceRule(_by_successes)))
+SOURCE_RULES.register("compatibility", fixed(SourceRule(_by_compatibility)))
+SOURCE_RULES.register("random", fixed(SourceRule(_no_preference)))
 
 
 #: How a receiver learns from peer responses: each entry is the behaviour (``graft_exp.peer_losses``).
