@@ -12,18 +12,17 @@ from pathlib import Path
 import torch
 
 from graft_exp.config import folder_problem
-from graft_exp.tiny.models import ASSETS, PAPER_VOCAB_RECIPES, RECIPES, build
+from graft_exp.tiny.models import ASSETS, all_recipes, build
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m graft_exp.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["build"])
-    parser.add_argument("keys", nargs="*", default=[*RECIPES, *PAPER_VOCAB_RECIPES],
-                        help="models to build (default: all)")
+    recipes = all_recipes()
+    parser.add_argument("keys", nargs="*", default=list(recipes), help="models to build (default: all)")
     parser.add_argument("--out", type=Path, default=ASSETS, help="directory for <key>/ (default: the shipped assets)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the shipped weights used 1)")
     args = parser.parse_args(argv)
-    recipes = {**RECIPES, **PAPER_VOCAB_RECIPES}
     unknown = [key for key in args.keys if key not in recipes]
     if unknown:
         parser.error(f"unknown tiny model(s) {', '.join(unknown)}; choose from {', '.join(recipes)}")

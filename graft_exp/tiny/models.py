@@ -410,10 +410,16 @@ def _matches(directory: Path, digest: str) -> bool:
     return hash_file.is_file() and hash_file.read_text().strip() == digest
 
 
+def all_recipes() -> dict[str, TinyRecipe]:
+    """Every tiny model's recipe: the task-tokenizer models' and the paper-vocabulary ones' (read at each call, so
+    a recipe added to either table counts)."""
+    return {**RECIPES, **PAPER_VOCAB_RECIPES}
+
+
 def locate(key: str, progress: bool = True) -> Path:
     """Directory of the built model ``key``: the shipped assets if their hash matches the recipe,
     else the cache entry of that hash, built now if missing."""
-    recipes = {**RECIPES, **PAPER_VOCAB_RECIPES}
+    recipes = all_recipes()
     if key not in recipes:
         raise KeyError(f"{key!r} is not a tiny model; tiny models are {', '.join(recipes)}")
     recipe = recipes[key]
