@@ -139,10 +139,10 @@ def cmd_methods(args) -> None:
             raise StoreUnavailable(str(error)) from None
         experiments, keys = experiments or [f"graft/{sweep.study}"], {sj.job.key for sj in sweep.jobs}
     results = methods.job_results(MlflowClient(args.tracking_uri), experiments, args.where or [], keys, args.by)
-    found = comparison.compare(results, args.reference)
+    found = comparison.compare(results, args.reference, args.by)
     if not found:
         raise StoreUnavailable(methods.why_no_comparison(results))
-    for table, note in comparison.tables(results, args.reference):
+    for table, note in comparison.tables(found):
         console.print(table)
         console.print(note)
     paths = methods.write(found, args.out) + methods.figure(found, args.out)

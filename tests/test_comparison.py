@@ -172,3 +172,16 @@ def test_analysis_methods_compares_any_setting_and_a_sweep_file_s_jobs(new_store
     sweep.write_text("study: compare\nruns:\n  - {method: [graft, grpo_n8], seed: [0, 1]}\n")
     assert main(["methods", "--tracking-uri", uri, "--sweep", str(sweep), "--out", str(out)]) == 2
     assert "no finished job matches: 0 finished jobs in graft/compare" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_compared_setting_is_no_difference_in_settings():
+    """``analysis methods --by train.max_steps`` compares jobs by that setting: it is what they are compared by,
+    not a difference to warn about; another setting that differs still is."""
+    from types import SimpleNamespace
+
+    from graft_exp.launching.comparison import differing_settings
+
+    jobs = [SimpleNamespace(params={"train.max_steps": steps, "train.lr": lr, "seed": seed, "method.name": "graft"})
+            for steps, lr, seed in (("10", "1e-6", "0"), ("20", "1e-6", "1"), ("20", "2e-6", "0"))]
+    assert differing_settings(jobs) == ["train.lr: 1e-6, 2e-6", "train.max_steps: 10, 20"]
+    assert differing_settings(jobs, by="train.max_steps") == ["train.lr: 1e-6, 2e-6"]

@@ -70,14 +70,14 @@ def method_rows(results: list) -> dict[str, list[MethodRow]]:
     return {pair: list(rows.values()) for pair, rows in pairs.items()}
 
 
-def differing_settings(results: list) -> list[str]:
-    """The settings (flattened config keys) whose values differ among ``results`` besides method and seed and
-    where or how they ran, as ``key: value, value`` lines."""
+def differing_settings(results: list, by: str = "method") -> list[str]:
+    """The settings (flattened config keys) whose values differ among ``results`` besides method and seed, the
+    setting compared (``by``) and where or how they ran, as ``key: value, value`` lines."""
     keys = sorted({k for job in results for k in job.params})
     lines = []
     for key in keys:
         top = key.split(".")[0]
-        if top in NON_IDENTITY_KEYS or top == "method" or key in COMPARED:
+        if top in NON_IDENTITY_KEYS or top == "method" or key in COMPARED or key == by:
             continue
         values = sorted({job.params.get(key, "<unset>") for job in results})
         if len(values) > 1:
@@ -109,10 +109,11 @@ class Comparison:
                            "bought per method)" if self.equal_compute else "")
 
 
-def compare(results: list, reference: str | None = None) -> list[Comparison]:
+def compare(results: list, reference: str | None = None, by: str = "method") -> list[Comparison]:
     """Per pair whose methods share seeds with the reference (``reference``, else GRPO n=8 where it ran, else the
     first method): each method's mean and s.e. over seeds of each model's and the pair's score, its mean paired
-    difference to the reference with the 95 % interval, and its mean cost per job."""
+    difference to the reference with the 95 % interval, and its mean cost per job. ``by``: the setting whose
+    values the "methods" are (``analysis methods --by``), left out of what the jobs differ in."""
     out = []
     for pair, rows in method_rows(results).items():
         if len(rows) < 2:
@@ -140,7 +141,7 @@ def compare(results: list, reference: str | None = None) -> list[Comparison]:
                 entry |= {key: value for key, value in measures.items() if not key.startswith("IQM ref")}
             numbers.append(entry)
         compared = [job for job in results if job.pair == pair and job.status == "FINISHED"]
-        out.append(Comparison(pair, ref.method, ref.models, numbers, differing_settings(compared),
+        out.append(Comparison(pair, ref.method, ref.models, numbers, differing_settings(compared, by),
                               {row.method: {seed: s["pair"] for seed, s in row.scores.items()} for row in rows}))
     return out
 
@@ -159,10 +160,10 @@ def delta_text(row: dict, reference: str) -> str:
     return f"{100 * row['delta']:+.2f}{interval} (n={row['paired seeds']})"
 
 
-def tables(results: list, reference: str | None = None) -> list[tuple[Table, str]]:
+def tables(comparisons: list[Comparison]) -> list[tuple[Table, str]]:
     """The comparisons of ``compare`` as terminal tables, each with its note."""
     out = []
-    for c in compare(results, reference):
+    for c in comparisons:
         table = Table(title=f"{c.pair}: test avg % of the best checkpoints, mean ± s.e. over seeds; paired vs "
                             f"{c.reference}", title_justify="left")
         budget = ("budget GPU-h", "steps") if c.equal_compute else ()

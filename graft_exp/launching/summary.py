@@ -138,6 +138,6 @@ def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str
     methods share seeds (``comparison``)."""
     results = results_by_key(uri, jobs)
     console.print(jobs_table(results, title))
-    for table, note in comparison.tables(results, reference):
+    for table, note in comparison.tables(comparison.compare(results, reference)):
         console.print(table)
         console.print(note)
