@@ -149,13 +149,13 @@ def test_stored_replay_needs_and_uses_the_peer_grpo_log(make_job, tmp_path):
     driver.fit(cfg, job, local.LocalBackend)
     cfg, job = make_job("method=graft_stored", "train.max_steps=2")
     trainer = driver.Driver(cfg, job, local.LocalBackend)
-    source = trainer.members["B"].stored_peer        # B replays A's GRPO log
+    source = trainer.members["B"].replayed        # B replays A's GRPO log
     assert sorted(source.step.unique()) == [1, 2] and len(source) == 2 * 8 * 8
     metrics, _ = trainer.co_train_step(1)
     for role in ("A", "B"):
         assert metrics[role]["train/reward_mean"] >= 0 and "train/peer_groups" in metrics[role]
     # The replayed step's prompts are the GRPO run's (same seed, same order).
-    assert list(trainer.members["A"].stored_peer.query("step == 1").prompt_id.iloc[::8]) == \
+    assert list(trainer.members["A"].replayed.query("step == 1").prompt_id.iloc[::8]) == \
         list(source.query("step == 1").prompt_id.iloc[::8])
 
 
