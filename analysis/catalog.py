@@ -6,6 +6,7 @@ Everything here is display or bookkeeping; the runs themselves are identified by
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -154,8 +155,10 @@ def sweep_for(table: str, method: str, seed: int, model: str | None = None) -> s
     return SWEEP_FILES[study]
 
 
-def main_sweep_methods() -> set[str]:
-    """The methods sweeps/main.yaml runs (its ``runs``' ``method`` values)."""
+@lru_cache(maxsize=1)
+def main_sweep_methods() -> frozenset[str]:
+    """The methods sweeps/main.yaml runs (its ``runs``' ``method`` values), read once: ``sweep_for`` asks for every
+    missing cell of every table."""
     sweep = OmegaConf.load(ROOT / SWEEP_FILES["main"])
     names = [grid.method for grid in sweep.runs]
-    return {str(m) for name in names for m in (name if OmegaConf.is_list(name) else [name])}
+    return frozenset(str(m) for name in names for m in (name if OmegaConf.is_list(name) else [name]))
