@@ -136,6 +136,8 @@ class TrainConfig:
     max_steps: int | None = None   # null: total_epochs over the training split
     max_gpu_hours: float | None = added_setting(None)   # stop once the job's cost/gpu_hours reaches it
     gpu_hours_of: str | None = added_setting(None)      # a run key: max_gpu_hours = that job's cost/gpu_hours
+    max_flops: float | None = added_setting(None)       # stop once the job's counted cost/flops reaches it
+    flops_of: str | None = added_setting(None)          # a run key: max_flops = that job's cost/flops
     optimizer: str = MISSING
     lr: float = MISSING
     lr_warmup_steps: int = MISSING
@@ -376,16 +378,36 @@ def validate_train_eval(cfg: DictConfig) -> None:
                           f"{train.batch_prompts}: an epoch would have no full batch")
 
 
+#: An equal-compute budget's unit -> (its amount's setting, its reference run's setting) under ``train``; the
+#: units are ``schema.CHARGES``' (GPU-hours as App. D measures them, FLOPs as ``costs.ModelFlops`` counts them).
+BUDGET_SETTINGS = {"gpu_hours": ("max_gpu_hours", "gpu_hours_of"), "flops": ("max_flops", "flops_of")}
+
+
+def budget_setting(train: DictConfig) -> tuple[str, str, Any] | None:
+    """The one budget setting a job sets: (unit, setting name, value), or None without a budget."""
+    for unit, names in BUDGET_SETTINGS.items():
+        for name in names:
+            if train.get(name) is not None:
+                return unit, name, train[name]
+    return None
+
+
 def validate_budget(train: DictConfig) -> None:
-    """An equal-compute budget: a positive ``train.max_gpu_hours`` or a reference run's key, not both."""
-    if train.max_gpu_hours is not None and not train.max_gpu_hours > 0:
-        raise ConfigError(f"train.max_gpu_hours={train.max_gpu_hours} must be > 0 GPU-hours "
+    """An equal-compute budget: one positive amount or one reference run's key, in one unit."""
+    given = [f"train.{name}={train[name]}" for names in BUDGET_SETTINGS.values() for name in names
+             if train.get(name) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} all set the budget; keep one of them (a budget is spent in "
+                          "one charge: GPU-hours or counted FLOPs)")
+    found = budget_setting(train)
+    if found is None:
+        return
+    unit, name, value = found
+    if name.startswith("max_") and not (isinstance(value, (int, float)) and value > 0):
+        raise ConfigError(f"train.{name}={value} must be > 0 {'GPU-hours' if unit == 'gpu_hours' else 'FLOPs'} "
                           "(or null: no budget, train.max_steps alone ends the run)")
-    if train.max_gpu_hours is not None and train.gpu_hours_of is not None:
-        raise ConfigError(f"train.max_gpu_hours={train.max_gpu_hours} and train.gpu_hours_of="
-                          f"{train.gpu_hours_of} both set the budget; keep one of them")
-    if train.gpu_hours_of is not None and not str(train.gpu_hours_of).strip():
-        raise ConfigError("train.gpu_hours_of is empty; give the run key (graft.run_key) of the reference job")
+    if name.endswith("_of") and not str(value).strip():
+        raise ConfigError(f"train.{name} is empty; give the run key (graft.run_key) of the reference job")
 
 
 def validate_method(cfg: DictConfig) -> None:

@@ -39,6 +39,7 @@ class Generation:
     finished: torch.Tensor                    # [P, n] bool: ended with a stop token
     token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
     data: object                              # the backend's token-level data for its update
+    prompt_tokens: list[int]                  # [P] each prompt's length in the model's tokens, as prefilled
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Sampled:
     problems: list
     data: object
     token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
+    prompt_tokens: list[int]                  # [P] each prompt's length in the model's tokens
 
 
 class Backend(Protocol):
@@ -66,6 +68,9 @@ class Backend(Protocol):
 
     def devices(self, role: str) -> int:
         """The devices (GPUs; a CPU counts as one) model ``role`` holds while it works."""
+
+    def model_config(self, role: str):
+        """Model ``role``'s transformers config (its architecture and sizes: what ``costs.ModelFlops`` counts)."""
 
     def prompting(self, role: str) -> dict[str, str]:
         """How model ``role`` is prompted and stopped, recorded on its run when the job starts: ``stop_ids``

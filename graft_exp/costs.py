@@ -1,5 +1,6 @@
-"""GPU-hours (paper App. D; docs/design.md "GPU-hours"): the devices a job is charged for, each role's busy
-time in a step, and how a step's wall time becomes each model's and the job's device-seconds."""
+"""What a job is charged: GPU-hours (paper App. D; docs/design.md "GPU-hours"), the devices a job is charged for,
+each role's busy time in a step and how a step's wall time becomes each model's and the job's device-seconds;
+and the counted charge (``ModelFlops``), the FLOPs of the work a step does, counted from its tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
@@ -57,3 +59,53 @@ def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_
     total_busy = sum(busy.values())
     shares = {role: joint * (busy[role] / total_busy if total_busy > 0 else 1 / len(busy)) for role in busy}
     return shares, joint
+
+
+# ---------------------------------------------------------------------------------------- counted FLOPs
+#: A trained token costs its forward pass and a backward pass of twice that (Kaplan et al. 2020: 6N).
+TRAIN_PASSES = 3
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward FLOPs of one model by sequence length: the counted charge (``cost/flops``, docs/clusters.md
+    "Counted FLOPs"). Kaplan et al. (2020, sec. 2.1): 2 FLOPs per token and per parameter it multiplies with,
+    plus attention's 2 x n_layer x n_ctx x d_attn, here summed exactly over a causal sequence (position t
+    attends to t positions: QK^T and AV, 4 x width FLOPs each per layer). Embedding lookups cost nothing;
+    the unembedding (the logits of every position) counts as a matmul, tied or not: with a 152k vocabulary it
+    is much of a small model's work. 1-D parameters (norms, biases), activations, softmax and rotary are left
+    out (well under 1 % at these widths)."""
+
+    matmul_params: int      # parameters of the blocks' linear layers and of the unembedding (d x V)
+    layers: int
+    attention_width: int    # heads x head dim (queries), what the scores and the weighted values run over
+
+    def forward(self, tokens: int) -> float:
+        """A causal forward pass over ``tokens`` positions."""
+        return 2.0 * self.matmul_params * tokens + 2.0 * self.layers * self.attention_width * tokens * (tokens + 1)
+
+    def generation(self, prompt_tokens: Sequence[int], response_tokens: Sequence[Sequence[int]]) -> float:
+        """Sampling ``response_tokens[q]`` (n lengths) after prompt q: each prompt prefilled once (vLLM's prefix
+        cache, the local sampler's shared prefill), each sampled token one decoding step over its context."""
+        total = 0.0
+        for prompt, lengths in zip(prompt_tokens, response_tokens):
+            prefill = self.forward(prompt)
+            total += prefill + sum(self.forward(prompt + int(r)) - prefill for r in lengths)
+        return total
+
+    @classmethod
+    def of(cls, config) -> ModelFlops:
+        """From a transformers model config: the architecture built on the meta device (no memory, no
+        weights) and its parameters counted, so every architecture transformers knows counts alike."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+        head = model.get_output_embeddings().weight
+        blocks = sum(p.numel() for p in model.parameters()   # tied or not, the head counts once (below)
+                     if p.dim() >= 2 and id(p) not in embeddings and p is not head)
+        width = config.num_attention_heads * (getattr(config, "head_dim", None)
+                                              or config.hidden_size // config.num_attention_heads)
+        return cls(int(blocks + head.numel()), int(config.num_hidden_layers), int(width))

@@ -35,11 +35,11 @@ from graft_exp.algorithms import (
 )
 from graft_exp.config import peers, roles, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
-from graft_exp.costs import Timer, step_costs
+from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
 from graft_exp.exchange import peer_solved_frac, plan_step, rollout_metrics
 from graft_exp.objective import LossSpec
-from graft_exp.receiver import ReceiverBatch, Scorer
+from graft_exp.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scores import checkpoint_score, job_score
 from graft_exp.seeds import derive_seed
@@ -114,6 +114,7 @@ class Member:
     run: tracking.TrackedRun | None
     best: BestCheckpoint = field(default_factory=BestCheckpoint)
     device_seconds: float = 0.0          # its cost/gpu_hours x 3600
+    flops: float = 0.0                   # its cost/flops: the counted work of its steps
     tracked: list[float] = field(default_factory=list)   # what the peer loss tracks across steps (HACPO: positive rates)
     replayed: object = None              # the peer's logged trajectories it replays (DataFrame; graft_stored)
 
@@ -150,9 +151,11 @@ class Driver:
                 shown = self.backend.prompting(role)
                 member.run.set_tags({schema.STOP_IDS: shown["stop_ids"],
                                      schema.RENDERED_PROMPT: shown["rendered_prompt"][:5000]})
-        self.job_device_seconds = 0.0
+        self.job_device_seconds, self.job_flops = 0.0, 0.0
         self.start_step = 1
         if self.backend is not None:
+            self.shapes = {role: ModelFlops.of(self.backend.model_config(role)) for role in needed}
+            self.work = dict.fromkeys(needed, 0.0)   # this step's counted FLOPs per model
             problems = self.backend.problems()
             self.total_steps = total_steps(cfg, len(problems))
             streams = list(needed) if self.method.config.dynamic_sampling else ["shared"]
@@ -180,11 +183,12 @@ class Driver:
         """n samples per prompt, rewards, GRPO advantages (eq. 1)."""
         n = int(self.method.config.n)
         out = self.backend.sample(role, problems, n, derive_seed(self.cfg.seed, step, role, "rollout", attempt), step)
+        self.work[role] += self.shapes[role].generation(out.prompt_tokens, out.num_tokens.tolist())
         rewards, advantages = self.scored(problems, out.responses)
         rollouts = Rollouts(model=self.members[role].key, prompt_ids=[p.uid for p in problems],
                             responses=out.responses, rewards=rewards, advantages=advantages,
                             logp_sum=out.logp_sum, num_tokens=out.num_tokens, finished=out.finished)
-        return Sampled(rollouts, problems, out.data, out.token_ids)
+        return Sampled(rollouts, problems, out.data, out.token_ids, out.prompt_tokens)
 
     def dynamic_sampling_rollout(self, role: str, step: int) -> Sampled:
         """DAPO dynamic sampling: keep groups with 0 < k < n, draw more batches until the batch is full
@@ -205,7 +209,7 @@ class Driver:
         return Sampled(Rollouts.concat_groups([(s.rollouts, g) for s, g in parts]),
                        [s.problems[q] for s, g in parts for q in g],
                        self.backend.gather(role, [(s.data, g) for s, g in parts]),
-                       [s.token_ids[q] for s, g in parts for q in g])
+                       [s.token_ids[q] for s, g in parts for q in g], [s.prompt_tokens[q] for s, g in parts for q in g])
 
     def replayed_source(self, role: str, step: int, own: Sampled) -> Rollouts:
         """The peer's logged GRPO n=8 rollouts of this step, rewards re-verified (App. B "Saved peer logs")."""
@@ -221,6 +225,7 @@ class Driver:
         """Alg. 1, one training step of every method: (each model's metrics, the job's metrics)."""
         method, roles, timer = self.method, list(self.members), Timer(self.members)
         started = time.perf_counter()
+        self.work = dict.fromkeys(roles, 0.0)
         # 1. Sample: n responses per prompt from each model on the same prompts (DAPO: each refills its
         #    own batch), binary rewards, GRPO advantages (eq. 1).
         shared = None if method.config.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
@@ -231,9 +236,13 @@ class Driver:
         own = self.each(sample)
         # 2. Exchange (exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
         #    old policy (eq. 8), gated weights (eq. 9), each receiver's rows.
-        scorers = {role: self.backend.scorer(role, own[role]) for role in roles}
+        scored = {role: {} for role in roles}   # (prompt, sample) -> the receiver's tokens of a scored peer response
+        scorers = {role: self.counted(role, self.backend.scorer(role, own[role]), own[role], scored[role])
+                   for role in roles}
         with timer(*roles):
             batches, sources, ratios, job_metrics = self.plan_receivers(step, own, scorers)
+        for role in roles:
+            self.work[role] += self.update_flops(role, batches[role], own[role], sources[role], scored[role])
 
         # 3. Update each receiver: one optimizer step per minibatch, in the method's order (peer groups last),
         #    on the method's loss (eq. 10 for GRAFT; objective.py).
@@ -246,8 +255,37 @@ class Driver:
         # 4. Record: per-model metrics, the trajectory log, GPU-hours.
         metrics = {role: self.record(role, step, own, batches[role], counts[role],
                                      self.peer_rollouts(role, own, sources[role])) for role in roles}
-        job_metrics[schema.GPU_HOURS] = self.charge(timer.seconds, time.perf_counter() - started, metrics)
+        job_metrics.update(self.charge(timer.seconds, time.perf_counter() - started, metrics))
         return metrics, job_metrics
+
+    def counted(self, role: str, scorer: Scorer, own: Sampled, lengths: dict[tuple[int, int], int]) -> Scorer:
+        """``scorer`` counting its work: a forward pass of the receiver over each scored peer response
+        (prompt + response in its tokens, whose lengths the update's count reads from ``lengths``)."""
+        def score(prompts: list[int], source: Rollouts):
+            logp, tokens = scorer(prompts, source)
+            for row, q in enumerate(prompts):
+                for i, count in enumerate(tokens[row].tolist()):
+                    lengths[q, i] = int(count)
+                    self.work[role] += self.shapes[role].forward(own.prompt_tokens[q] + int(count))
+            return logp, tokens
+        return score
+
+    def update_flops(self, role: str, batch: ReceiverBatch, own: Sampled, source: Rollouts | None,
+                     scored: dict[tuple[int, int], int]) -> float:
+        """The counted work of ``role``'s update: every row (and SGT's NLL rows) forward and backward in each of
+        ``train.ppo_epochs`` passes, and the reference model's forward over the rows when the loss has a KL
+        term. A peer response counts the receiver's tokens the scorer saw; one it did not score (an NLL row)
+        counts the source's tokens."""
+        def length(q: int, i: int, peer: bool) -> int:
+            response = (scored.get((q, i), int(source.num_tokens[q, i])) if peer else int(own.rollouts.num_tokens[q, i]))
+            return own.prompt_tokens[q] + response
+        rows = [length(r.prompt, r.sample, r.origin == PEER) for r in batch.rows]
+        trained = rows + [length(q, i, True) for q, i in batch.nll]
+        shape = self.shapes[role]
+        flops = TRAIN_PASSES * int(self.cfg.train.ppo_epochs) * sum(shape.forward(t) for t in trained)
+        if self.method.loss.needs_reference_model:
+            flops += sum(shape.forward(t) for t in rows)
+        return flops
 
     def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
         """Each receiver's batch (``exchange.plan_step``), given what only the job holds: the replayed log's
@@ -288,15 +326,23 @@ class Driver:
         write_step(self.root / "trajectories" / role, step, rollouts, own[role].token_ids)
         return m
 
-    def charge(self, busy: dict[str, float], wall: float, metrics: dict[str, dict[str, float]]) -> float:
-        """Add the step's device-hours (``step_costs``) to each model's metrics; the job's cumulative cost."""
+    def charge(self, busy: dict[str, float], wall: float, metrics: dict[str, dict[str, float]]) -> dict[str, float]:
+        """Add the step's two charges to each model's metrics: device-hours (``step_costs``) and its counted
+        FLOPs (``self.work``). The job's cumulative costs (each model's FLOPs are its own; the job's, their sum)."""
         shares, joint = step_costs(busy, wall, {r: self.backend.devices(r) for r in busy},
                                    bool(self.method.co_train), self.backend.concurrent)
         self.job_device_seconds += joint
         for role, member in self.members.items():
             member.device_seconds += shares[role]
+            member.flops += self.work[role]
+            self.job_flops += self.work[role]
             metrics[role][schema.GPU_HOURS] = member.device_seconds / 3600.0
-        return self.job_device_seconds / 3600.0
+            metrics[role][schema.FLOPS] = member.flops
+        return self.costs()
+
+    def costs(self) -> dict[str, float]:
+        """The job's cumulative charges by metric: ``cost/gpu_hours`` (App. D) and ``cost/flops`` (counted)."""
+        return {schema.GPU_HOURS: self.job_device_seconds / 3600.0, schema.FLOPS: self.job_flops}
 
     # -------------------------------------------------------------------- validation, checkpoints
     def validate(self, step: int) -> None:
@@ -320,10 +366,10 @@ class Driver:
     def save_checkpoint(self, step: int) -> None:
         """The backend's state plus the loop's (step, data cursors, best, costs), written to a temporary
         directory and renamed, so a job killed mid-write leaves the previous checkpoint intact."""
-        state = {"step": step, "job_device_seconds": self.job_device_seconds,
+        state = {"step": step, "job_device_seconds": self.job_device_seconds, "job_flops": self.job_flops,
                  "cursors": {name: s.cursor for name, s in self.streams.items()},
                  "members": {role: {"best": asdict(m.best),
-                                    "device_seconds": m.device_seconds,
+                                    "device_seconds": m.device_seconds, "flops": m.flops,
                                     "positive_rates": m.tracked}   # the key checkpoints have always had
                              for role, m in self.members.items()}}
         self.root.mkdir(parents=True, exist_ok=True)
@@ -363,10 +409,11 @@ class Driver:
             member = self.members[role]
             member.best = BestCheckpoint(**saved["best"])
             member.device_seconds = saved["device_seconds"]
+            member.flops = saved.get("flops", 0.0)   # checkpoints written before the counted charge: from 0
             member.tracked = list(saved["positive_rates"])
         for name, cursor in state["cursors"].items():
             self.streams[name].cursor = cursor
-        self.job_device_seconds = state["job_device_seconds"]
+        self.job_device_seconds, self.job_flops = state["job_device_seconds"], state.get("job_flops", 0.0)
         self.start_step = state["step"] + 1
         log.info("resumed from %s (step %d)", found[-1], state["step"])
 
@@ -438,9 +485,9 @@ class Driver:
         return scores
 
     def budget_spent(self) -> bool:
-        """Whether the job's charged cost (``cost/gpu_hours``, App. D) reached ``train.max_gpu_hours``."""
-        budget = self.job.budget_gpu_hours   # equal compute (None: steps alone), as open_job recorded it
-        return budget is not None and self.job_device_seconds / 3600.0 >= budget
+        """Whether the job's cost in its budget's charge (``cost/gpu_hours`` or ``cost/flops``) reached it."""
+        budget = self.job.budget   # equal compute (None: steps alone), as open_job resolved it
+        return budget is not None and self.costs()[budget.metric] >= budget.amount
 
     def log_config(self) -> None:
         path = self.root / "config.yaml"

@@ -31,6 +31,7 @@ JOB_TAGS = {
     "graft.host": "at creation and on every resume", "graft.pid": "at creation and on every resume",
     "graft.log": "at creation and on every resume, when the launcher names a log file",
     "graft.budget_gpu_hours": "at creation, with an equal-compute budget (train.max_gpu_hours or gpu_hours_of)",
+    "graft.budget_flops": "at creation, with a counted budget (train.max_flops or flops_of)",
     "graft.last_step": "when training ends: the last trained step (below train.max_steps when the budget ran out)",
     "graft.run_key_before": "by python -m graft_exp.rekey, when it changed graft.run_key: the key it replaced",
     "graft.prompt_date": "at creation: the date chat templates that read the clock render (kept on resume)",
@@ -54,6 +55,7 @@ MODEL_TAGS = {
 #: Metrics of a job run, step = training step.
 JOB_METRICS = {
     "cost/gpu_hours": "every step: cumulative joint cost, GPUs x training-step wall seconds / 3600",
+    "cost/flops": "every step: cumulative counted FLOPs of the training steps, the sum of its models'",
     "score": "at the end (step 0), when every model of the job was evaluated: the job's score (graft_exp.scores)",
     "exchange/A_to_B": "every step of an online co-trained method: prompts selected A -> B",
     "exchange/B_to_A": "every step of an online co-trained method: prompts selected B -> A",
@@ -72,13 +74,17 @@ MODEL_METRICS = {
     "train/peer_groups": "every step of a co-trained method", "train/peer_admitted": "every step of a co-trained method",
     "train/compat_mean": "steps where peer groups were scored",
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
+    "cost/flops": "every step: cumulative counted FLOPs of this model's sampling, scoring and updates (costs.ModelFlops)",
     "val/<bench>": "validation steps (0, every eval.val_every, last)", "val/avg": "validation steps",
     "test/<bench>": "final evaluation of the best checkpoint, one per run", "test/avg": "final evaluation",
     "score": "at the end (step 0): the model's final score, the mean of its runs' test/avg (graft_exp.scores); "
              "the one value the MLflow UI's runs table shows for it",
 }
 # Names the writers use (driver.py, tracking/); each is a key of the tables above.
-GPU_HOURS, SCORE = "cost/gpu_hours", "score"
+GPU_HOURS, FLOPS, SCORE = "cost/gpu_hours", "cost/flops", "score"
+#: The charges a budget is spent in: unit (``train.max_<unit>``, ``train.<unit>_of``, a sweep's ``compute_unit``)
+#: -> the cost metric it is compared with; the job run's budget tag is ``graft.budget_<unit>``.
+CHARGES = {"gpu_hours": GPU_HOURS, "flops": FLOPS}
 TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
 BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
@@ -86,8 +92,13 @@ RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
-BUDGET, LAST_STEP = "graft.budget_gpu_hours", "graft.last_step"
+BUDGET, BUDGET_FLOPS, LAST_STEP = "graft.budget_gpu_hours", "graft.budget_flops", "graft.last_step"
 SLURM_JOB_ID, HOST, PID, LOG = "graft.slurm_job_id", "graft.host", "graft.pid", "graft.log"   # where a job runs
+
+
+def budget_tag(unit: str) -> str:
+    """The job-run tag recording a budget in ``unit`` (a key of ``CHARGES``)."""
+    return f"graft.budget_{unit}"
 
 
 def exchange_metric(source: str, receiver: str) -> str:

@@ -1,8 +1,10 @@
 """Equal compute: ``train.max_gpu_hours`` / ``train.gpu_hours_of`` stop a job once its charged cost
-(``cost/gpu_hours``, App. D) reaches the budget, with the in-memory backend.
+(``cost/gpu_hours``, App. D) reaches the budget, ``train.max_flops`` / ``train.flops_of`` once its counted cost
+(``cost/flops``) does; with the in-memory backend.
 
 Measured wall time is what a real job is charged; here each step's charge is fixed (``step_costs``
-replaced) so that the step the budget runs out at is known exactly, whatever the machine's load."""
+replaced) so that the step the budget runs out at is known exactly, whatever the machine's load. The
+counted charge needs no such fix: it is a function of the job's tokens."""
 
 from __future__ import annotations
 
@@ -78,7 +80,11 @@ def test_a_missing_reference_fails_before_any_run_exists(make_job, compose_cfg, 
 @pytest.mark.parametrize("overrides, message", [
     (["train.max_gpu_hours=0"], r"train.max_gpu_hours=0.0 must be > 0 GPU-hours"),
     (["train.max_gpu_hours=-1"], r"train.max_gpu_hours=-1.0 must be > 0"),
-    (["train.max_gpu_hours=1", "train.gpu_hours_of=abc"], r"both set the budget; keep one of them"),
+    (["train.max_gpu_hours=1", "train.gpu_hours_of=abc"], r"all set the budget; keep one of them"),
+    (["train.max_gpu_hours=1", "train.max_flops=1e12"], r"train.max_gpu_hours=1.0 and train.max_flops=1000000000000.0 all "
+                                                         r"set the budget; keep one of them"),
+    (["train.max_flops=0"], r"train.max_flops=0.0 must be > 0 FLOPs"),
+    (["train.flops_of= "], r"train.flops_of is empty; give the run key"),
 ])
 def test_bad_budgets_fail_in_one_line(compose_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -115,3 +121,49 @@ def test_the_equal_compute_table_finds_each_reference_by_the_key_it_names():
     assert graft["Δ vs grpo_n8, equal steps [95% CI]"].startswith("+4.50 [")     # (5 + 4) / 2
     assert graft["score at equal steps"] == "35.50"
     assert equal_compute(jobs, "grpo_n8", study=["decide"]).empty   # no budgeted job there
+
+
+def job_flops(job) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in job.client.get_metric_history(job.run_id, schema.FLOPS)]
+
+
+def test_a_counted_budget_stops_where_the_counted_cost_reaches_it(make_job):
+    """The same job with and without ``train.max_flops``: the budgeted one stops at the first step whose
+    cumulative ``cost/flops`` reaches the budget, and every step before it is counted identically."""
+    ref_cfg, ref = make_job("method=graft", "study=plain")
+    driver.fit(ref_cfg, ref, factory([]))
+    plain = job_flops(ref)
+    assert [s for s, _ in plain] == [1, 2, 3, 4, 5, 6] and all(b > a for (_, a), (_, b) in zip(plain, plain[1:]))
+    budget = (plain[2][1] + plain[3][1]) / 2                  # between step 3's and step 4's cost
+    cfg, job = make_job("method=graft", f"train.max_flops={budget!r}")
+    driver.fit(cfg, job, factory([]))
+    assert job_flops(job) == plain[:4]
+    run = job.client.get_run(job.run_id)
+    assert run.data.tags[schema.LAST_STEP] == "4" and float(run.data.tags[schema.BUDGET_FLOPS]) == budget
+    assert schema.BUDGET not in run.data.tags
+
+
+def test_a_reference_run_s_counted_cost_is_the_budget(make_job):
+    ref_cfg, ref = make_job("method=grpo_n8", "train.max_steps=2")
+    driver.fit(ref_cfg, ref, factory([]))
+    cfg, job = make_job("method=grpo_n16", f"train.flops_of={tracking.run_key(ref_cfg)}")
+    driver.fit(cfg, job, factory([]))
+    spent, budget = job_flops(job), job_flops(ref)[-1][1]
+    assert float(job.client.get_run(job.run_id).data.tags[schema.BUDGET_FLOPS]) == budget
+    assert [s for s, _ in spent] == [1, 2]                     # n=16 samples twice n=8's responses a step:
+    assert spent[-1][1] >= budget > spent[-2][1] > budget / 2  # more than half the budget, then all of it
+
+
+def test_a_reference_recorded_in_the_other_unit_fails_before_any_run(make_job, tmp_path):
+    """A reference that ran before the counted charge existed recorded only ``cost/gpu_hours``."""
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("graft/old")
+    old = client.create_run(experiment, tags={schema.RUN_KEY: "0ld0ld0ld"})
+    client.log_metric(old.info.run_id, schema.GPU_HOURS, 0.5, step=20)
+    client.set_terminated(old.info.run_id, "FINISHED")
+    with pytest.raises(tracking.BudgetMissing, match=r"^train.flops_of=0ld0ld0ld: that job recorded no cost/flops "
+                                                     r"\(it ran before that charge existed; it records cost/gpu_hours\): "
+                                                     r"budget with train.gpu_hours_of instead, or retrain it"):
+        make_job("method=graft", "train.flops_of=0ld0ld0ld")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_id for r in runs] == [old.info.run_id]

@@ -98,6 +98,9 @@ class LocalBackend:
     def devices(self, role: str) -> int:
         return self.gpus
 
+    def model_config(self, role: str):
+        return self.policies[role].model.config
+
     def prompting(self, role: str) -> dict[str, str]:
         return {"stop_ids": str(self.policies[role].eos), "rendered_prompt": tiny.model_input(self._problems[0].prompt)}
 
@@ -106,7 +109,8 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ rollouts and scoring
     def sample(self, role: str, problems: list[Problem], n: int, seed: int, step: int) -> Generation:
-        samples = self.policies[role].sample(self.prompt_ids(role, problems), n, float(self.train.temperature),
+        prompts = self.prompt_ids(role, problems)
+        samples = self.policies[role].sample(prompts, n, float(self.train.temperature),
                                              float(self.train.top_p), int(self.train.max_response_length), seed)
         grid = lambda flat: [flat[q * n:(q + 1) * n] for q in range(len(problems))]
         return Generation(
@@ -114,7 +118,7 @@ class LocalBackend:
             logp_sum=torch.tensor([float(lp.sum()) for lp in samples.log_probs], dtype=torch.float64).view(-1, n),
             num_tokens=torch.tensor([len(t) for t in samples.token_ids]).view(-1, n),
             finished=torch.tensor(samples.finished).view(-1, n), token_ids=grid(samples.token_ids),
-            data=TokenData(grid(samples.token_ids), grid(samples.log_probs)))
+            data=TokenData(grid(samples.token_ids), grid(samples.log_probs)), prompt_tokens=[len(p) for p in prompts])
 
     def gather(self, role: str, parts: list[tuple[TokenData, list[int]]]) -> TokenData:
         return TokenData([d.token_ids[q] for d, groups in parts for q in groups],

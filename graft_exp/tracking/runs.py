@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import environment, methods, scheduler, schema
-from graft_exp.config import peers, roles
+from graft_exp.config import BUDGET_SETTINGS, budget_setting, peers, roles
 from graft_exp.tracking.datasets import log_dataset_inputs
 from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags, stable_hash
 from graft_exp.tracking.store import TrackingError, ensure_store, experiment_name
@@ -37,7 +37,7 @@ class TrackedRun:
     client: MlflowClient
     run_id: str
     resumed: bool = False
-    budget_gpu_hours: float | None = None   # a job's GPU-hour budget, resolved once by ``open_job`` (None: steps alone)
+    budget: Budget | None = None   # a job's equal-compute budget, resolved once by ``open_job`` (None: steps alone)
     _logged: dict[str, set[int]] = field(default_factory=dict)
 
     def logged_steps(self, key: str) -> set[int]:
@@ -236,23 +236,45 @@ def check_stored_logs(cfg: DictConfig, client: MlflowClient) -> None:
 
 
 class BudgetMissing(TrackingError):
-    """``train.gpu_hours_of`` names a job that has not finished (or does not exist) in the store."""
+    """``train.gpu_hours_of`` / ``flops_of`` names a job that has not finished (or does not exist) in the
+    store, or one that never recorded the charge the budget is in."""
 
 
-def gpu_hours_budget(cfg: DictConfig, client: MlflowClient) -> float | None:
-    """The job's equal-compute budget in GPU-hours: ``train.max_gpu_hours``, or the final ``cost/gpu_hours``
-    of the FINISHED job whose run key ``train.gpu_hours_of`` names (the whole reference run, both models of a
-    GRPO job: App. D's "both models"); None without a budget."""
-    train = cfg.train
-    if train.gpu_hours_of is None:
-        return None if train.max_gpu_hours is None else float(train.max_gpu_hours)
-    ref = find_run(client, str(train.gpu_hours_of))
-    cost = ref.data.metrics.get(schema.GPU_HOURS) if ref is not None else None
-    if ref is None or ref.info.status != "FINISHED" or cost is None:
+@dataclass(frozen=True)
+class Budget:
+    """A job's equal-compute budget: ``amount`` of the cost metric ``metric`` (``schema.CHARGES``)."""
+
+    unit: str       # gpu_hours | flops
+    amount: float
+
+    @property
+    def metric(self) -> str:
+        return schema.CHARGES[self.unit]
+
+
+def job_budget(cfg: DictConfig, client: MlflowClient) -> Budget | None:
+    """The job's equal-compute budget: ``train.max_gpu_hours`` / ``max_flops``, or the final cost in that unit
+    of the FINISHED job whose run key ``train.gpu_hours_of`` / ``flops_of`` names (the whole reference run, both
+    models of a GRPO job: App. D's "both models"); None without a budget."""
+    found = budget_setting(cfg.train)
+    if found is None:
+        return None
+    unit, name, value = found
+    if name.startswith("max_"):
+        return Budget(unit, float(value))
+    ref = find_run(client, str(value))
+    if ref is None or ref.info.status != "FINISHED":
         state = "is not in the store" if ref is None else f"is {ref.info.status}"
-        raise BudgetMissing(f"train.gpu_hours_of={train.gpu_hours_of}: that job {state} in {cfg.tracking.uri}; "
-                            "train it first (a sweep's `compute_of` does) or set train.max_gpu_hours instead")
-    return float(cost)
+        raise BudgetMissing(f"train.{name}={value}: that job {state} in {cfg.tracking.uri}; train it first "
+                            f"(a sweep's `compute_of` does) or set train.max_{unit} instead")
+    cost = ref.data.metrics.get(schema.CHARGES[unit])
+    if cost is None:
+        recorded = [metric for metric in schema.CHARGES.values() if metric in ref.data.metrics]
+        instead = [f"train.{BUDGET_SETTINGS[u][1]}" for u, metric in schema.CHARGES.items() if metric in recorded]
+        raise BudgetMissing(f"train.{name}={value}: that job recorded no {schema.CHARGES[unit]} (it ran before "
+                            f"that charge existed; it records {', '.join(recorded) or 'no cost'}): budget with "
+                            f"{' or '.join(instead) or 'an amount'} instead, or retrain it with rerun=true")
+    return Budget(unit, float(cost))
 
 
 def open_job(cfg: DictConfig) -> TrackedRun | None:
@@ -266,15 +288,15 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     key = run_key(cfg)
     _refuse_live_duplicate(client, key)
     check_stored_logs(cfg, client)
-    budget = gpu_hours_budget(cfg, client)
+    budget = job_budget(cfg, client)
     tags = {**common_tags(cfg), schema.GIT_SHA: git_sha(), **source_tags("python -m graft_exp"),
             **environment.tags(), DESCRIPTION_TAG: job_description(cfg)}
     if budget is not None:
-        tags[schema.BUDGET] = repr(budget)
+        tags[schema.budget_tag(budget.unit)] = repr(budget.amount)
     name = f"{cfg.pair.name}-{cfg.method.name}-s{cfg.seed}"
     job = _open(client, experiment_id, key, tags, name, cfg.rerun)
     if job is not None:
-        job.budget_gpu_hours = budget
+        job.budget = budget
         job.set_tags(tags)   # a resumed run records where it runs now (e.g. its new Slurm id)
         job.log_params(run_params(cfg))
         log_dataset_inputs(client, job.run_id, cfg)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig
 
 from graft_exp.contract import Generation, Sampled
 from graft_exp.methods import Method
@@ -75,6 +76,11 @@ class MemoryBackend:
     def devices(self, role: str) -> int:
         return 1
 
+    def model_config(self, role: str):
+        """A small Llama shape for the counted charge (a character per token, as ``sample`` counts them)."""
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128)
+
     def _respond(self, role: str, problem: Problem, rng: random.Random) -> str:
         index = int(problem.uid[1:])
         correct = rng.random() < min(1.0, SKILL[role](index) + 0.01 * self.state[role])
@@ -86,7 +92,8 @@ class MemoryBackend:
         tokens = torch.tensor([[len(r) for r in group] for group in responses])
         ids = [[list(range(len(r))) for r in group] for group in responses]
         return Generation(responses=responses, logp_sum=-0.1 * tokens.double(), num_tokens=tokens,
-                          finished=torch.ones_like(tokens, dtype=torch.bool), token_ids=ids, data=ids)
+                          finished=torch.ones_like(tokens, dtype=torch.bool), token_ids=ids, data=ids,
+                          prompt_tokens=[len(p.prompt) for p in problems])
 
     def gather(self, role: str, parts: list) -> list:
         self.gathered += 1

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from transformers import AutoConfig
 from verl import DataProto
 from verl.utils import hf_tokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
@@ -158,6 +159,9 @@ class VerlBackend:
     def devices(self, role: str) -> int:
         return self.models[role].gpus
 
+    def model_config(self, role: str):
+        return AutoConfig.from_pretrained(self.models[role].config.actor_rollout_ref.model.path)
+
     def prompting(self, role: str) -> dict[str, str]:
         model = self.models[role]
         messages = list(self.train_set.dataframe[self.train_set.prompt_key][0])
@@ -198,7 +202,7 @@ class VerlBackend:
         return Generation(responses=[texts[q * n:(q + 1) * n] for q in range(len(problems))],
                           logp_sum=logp_sum.double().view(-1, n), num_tokens=num_tokens.view(-1, n),
                           finished=torch.tensor(finished).view(-1, n), token_ids=vb.response_token_ids(out, n),
-                          data=out)
+                          data=out, prompt_tokens=vb.prompt_token_counts(out, n))
 
     def gather(self, role: str, parts: list[tuple[DataProto, list[int]]]) -> DataProto:
         return gather_groups(parts, self.n)

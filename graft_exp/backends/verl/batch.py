@@ -137,6 +137,12 @@ def response_token_ids(batch: DataProto, n: int) -> list[list[list[int]]]:
     return [ids[q * n:(q + 1) * n] for q in range(len(ids) // n)]
 
 
+def prompt_token_counts(batch: DataProto, n: int) -> list[int]:
+    """Each prompt's length in tokens (no padding), from its first row of a prompt-major batch (``n`` rows each)."""
+    width = batch.batch["prompts"].shape[1]
+    return batch.batch["attention_mask"][::n, :width].sum(dim=1).tolist()
+
+
 def peer_batch(receiver_own: DataProto, n: int, pairs: list[tuple[int, int]], source: Rollouts,
                tokenizer, stop_id: int) -> DataProto:
     """The receiver's rows for the source's responses ``pairs`` = [(prompt, sample)]: the receiver's own
