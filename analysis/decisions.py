@@ -8,10 +8,11 @@ from ``rliable`` (Agarwal et al., "Deep RL at the edge of the statistical precip
 probability that the method beats the reference on a seed, and each method's interquartile mean, with
 95% stratified-bootstrap intervals (not adjusted for the family: descriptive).
 
-Equal compute: job runs with ``graft.budget_gpu_hours`` (``train.max_gpu_hours`` or ``gpu_hours_of``)
-against runs of the same method, pair and seed with every other setting equal but no budget (the same
-number of steps as the reference job); scores are the job's models' mean ``test/avg`` in points. A
-budgeted job's reference is the run its ``train.gpu_hours_of`` names; jobs are shared between studies by
+Equal compute: job runs with a budget (``graft.budget_gpu_hours``: ``train.max_gpu_hours`` or ``gpu_hours_of``,
+App. D's measured charge; ``graft.budget_flops``: ``train.max_flops`` or ``flops_of``, the counted one) against
+runs of the same method, pair and seed with every other setting equal but no budget (the same number of steps
+as the reference job); scores are the job's models' mean ``test/avg`` in points. A budgeted job's reference is
+the run its ``train.gpu_hours_of`` / ``flops_of`` names; jobs are shared between studies by
 run key, so the reference and the equal-steps twins are looked up in every ``graft/*`` experiment (a
 sweep that reuses another study's GRPO n=8 jobs finds them there).
 """
@@ -27,12 +28,13 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from graft_exp import schema
+from graft_exp.config import BUDGET_SETTINGS
 from graft_exp.intervals import paired_interval, rliable_measures
 from graft_exp.scores import checkpoint_score, job_score
 
 UNTIL_DECIDED = "until-decided"
 #: Params that set the budget (or only the study's name): equal-steps twins differ from a budgeted job only there.
-BUDGET_PARAMS = ("train.max_gpu_hours", "train.gpu_hours_of", "study")
+BUDGET_PARAMS = (*(f"train.{name}" for names in BUDGET_SETTINGS.values() for name in names), "study")
 
 
 def _experiments(client: MlflowClient, names: list[str] | None) -> list[str]:
@@ -98,14 +100,17 @@ def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
         tags = run.data.tags
         if schema.MODEL in tags or schema.RUN_KEY not in tags or run.info.run_id not in models:
             continue
-        rows.append({"run_id": run.info.run_id, "run_key": tags[schema.RUN_KEY],
-                     "reference_key": run.data.params.get("train.gpu_hours_of", "None"),
+        unit = next((u for u in schema.CHARGES if schema.budget_tag(u) in tags), None)
+        reference = next((run.data.params[f"train.{name}"] for _, name in BUDGET_SETTINGS.values()
+                          if run.data.params.get(f"train.{name}", "None") != "None"), "None")
+        rows.append({"run_id": run.info.run_id, "run_key": tags[schema.RUN_KEY], "reference_key": reference,
                      "experiment_id": run.info.experiment_id,
                      "method": tags.get(schema.METHOD), "pair": tags.get(schema.PAIR),
                      "seed": int(tags.get(schema.SEED)),
-                     "budget": float(tags[schema.BUDGET]) if schema.BUDGET in tags else math.nan,
+                     "budget": float(tags[schema.budget_tag(unit)]) if unit else math.nan, "budget unit": unit,
                      "steps": int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else math.nan,
                      "gpu_hours": run.data.metrics.get(schema.GPU_HOURS, math.nan),
+                     "flops": run.data.metrics.get(schema.FLOPS, math.nan),
                      "score": job_score(models[run.info.run_id]),
                      "setting": json.dumps({k: v for k, v in sorted(run.data.params.items())
                                             if k not in BUDGET_PARAMS}, sort_keys=True)})
@@ -167,7 +172,9 @@ def _equal_compute_row(method: str, group: pd.DataFrame, at_compute: np.ndarray,
     return {
         "method": method, "seeds": len(group),
         "steps (min-max)": f"{int(np.nanmin(group['steps']))}-{int(np.nanmax(group['steps']))}",
+        "budget in": ", ".join(sorted({u for u in group.get("budget unit", ()) if isinstance(u, str)})) or "—",
         "GPU-h per job": float(group["gpu_hours"].mean()),
+        "TFLOPs per job": float(group["flops"].mean()) / 1e12 if "flops" in group else math.nan,
         "score at equal compute": f"{at_compute.mean():.2f} ± {at_compute.std(ddof=1) if len(group) > 1 else 0:.2f}",
         f"Δ vs {reference}, equal compute [95% CI]": delta(at_compute, base),
         "seeds at equal steps": len(at_steps),

@@ -138,7 +138,7 @@ def write(comparisons: list[comparison.Comparison], out: Path) -> list[Path]:
     for c in comparisons:
         columns = ["method", "seeds", *(f"{m} mean" for m in [*c.models, "pair"]), "delta", "delta lo", "delta hi",
                    "paired seeds", "gpu_hours per job",
-                   *(("budget gpu_hours", "steps min", "steps max") if c.equal_compute else ())]
+                   *(("budget", "budget unit", "steps min", "steps max") if c.equal_compute else ())]
         rows = table[table["pair"] == c.pair]
         title = (f"**{c.pair}** (vs {c.reference}; test avg %, mean over seeds; delta: paired, 95 % t-interval; "
                  f"{c.note})")

@@ -4,7 +4,7 @@ A job finds its own past by ``graft.run_key`` (resume, skip, equal-compute refer
 the rule of what enters a key changes deliberately (docs/design.md, "Run keys"; README's upgrade notes), the runs
 already in a store carry keys the new code no longer computes. This command recomputes each key from the resolved
 config the job logged (its ``config.yaml`` artifact; a model run from its job's), re-tags the run (the replaced key
-kept in ``graft.run_key_before``), maps a budget's ``train.gpu_hours_of`` reference to its job's new key, and moves
+kept in ``graft.run_key_before``), maps a budget's reference (``train.gpu_hours_of`` or ``flops_of``) to its job's new key, and moves
 each job's checkpoint directory (``<checkpoint_root>/<run key>``) to the new key, so a job requeued across the
 upgrade resumes. Running it twice changes nothing the second time.
 
@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graft_exp import schema
+from graft_exp.config import BUDGET_SETTINGS
 from graft_exp.tracking import PARENT_TAG, TrackingError, check_store, model_run_key, run_key, sqlite_file
 
 
@@ -49,12 +50,19 @@ def logged_config(client: MlflowClient, run_id: str, into: Path) -> dict | None:
     return yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", str(into))).read_text())
 
 
+def budget_reference(config: dict) -> tuple[str, str] | None:
+    """(setting, key) of the reference job a budgeted ``config`` names (``train.gpu_hours_of`` / ``flops_of``)."""
+    train = config.get("train") or {}
+    return next(((name, train[name]) for _, name in BUDGET_SETTINGS.values() if train.get(name) is not None), None)
+
+
 def with_budget_reference(config: dict, new_key_of: dict[str, str]) -> dict:
-    """``config`` with its ``train.gpu_hours_of`` (a reference job's key) replaced by that job's new key."""
-    ref = (config.get("train") or {}).get("gpu_hours_of")
-    if ref is None or ref not in new_key_of:
+    """``config`` with its budget's reference (a job's key) replaced by that job's new key."""
+    found = budget_reference(config)
+    if found is None or found[1] not in new_key_of:
         return config
-    return {**config, "train": {**config["train"], "gpu_hours_of": new_key_of[ref]}}
+    name, ref = found
+    return {**config, "train": {**config["train"], name: new_key_of[ref]}}
 
 
 def move_checkpoints(config: dict, before: str, after: str, root: Path | None, dry_run: bool) -> str:
@@ -85,7 +93,7 @@ def rekey_store(uri: str, checkpoint_root: Path | None = None, dry_run: bool = F
     for run in runs:
         if run.data.tags.get(schema.RUN_KEY_BEFORE):
             new_key_of[run.data.tags[schema.RUN_KEY_BEFORE]] = run.data.tags[schema.RUN_KEY]
-    order = sorted(jobs, key=lambda rid: (configs[rid] or {}).get("train", {}).get("gpu_hours_of") is not None)
+    order = sorted(jobs, key=lambda rid: budget_reference(configs[rid] or {}) is not None)
     for run_id in order:
         if configs[run_id] is not None:
             configs[run_id] = with_budget_reference(configs[run_id], new_key_of)

@@ -134,22 +134,24 @@ def test_analysis_methods_draws_each_seed_and_the_interval(new_store, tmp_path):
     assert len(points) == 6 and sorted(points["pair score %"].round(2)) == [37.5, 45.0, 45.0, 45.0, 50.0, 50.0]
 
 
-def test_jobs_under_a_budget_show_what_it_bought(new_store, tmp_path, capsys):
-    """Jobs that ran under a GPU-hour budget (equal compute, App. D): the comparison says so and shows the budget
-    and the steps it bought per method."""
+@pytest.mark.parametrize("unit, amount, shown, label", [("gpu_hours", "0.01", r"0\.01", "GPU-h"),
+                                                          ("flops", "2.5e12", r"2\.5e\+12", "FLOPs")])
+def test_jobs_under_a_budget_show_what_it_bought(new_store, tmp_path, capsys, unit, amount, shown, label):
+    """Jobs that ran under a budget (equal compute: App. D's GPU-hours or the counted FLOPs): the comparison
+    says so, in which unit, and shows the budget and the steps it bought per method."""
     from graft_exp import schema
 
     uri, jobs = write_store(new_store, tmp_path)
     client = MlflowClient(uri)
     for _, key in jobs:
         run = tracking.find_run(client, key)
-        client.set_tag(run.info.run_id, schema.BUDGET, "0.01")
+        client.set_tag(run.info.run_id, schema.budget_tag(unit), amount)
         client.set_tag(run.info.run_id, schema.LAST_STEP, "12" if key.startswith("graft") else "20")
     summary.print_jobs(uri, jobs, "multirun of 6 jobs: results")
     out = capsys.readouterr().out
-    assert "at equal compute: each job trained until its GPU-hour budget ran out" in out
-    assert re.search(r"graft +│ +3 │ .* │ +0\.0200 │ +0\.0100 │ +12-12 │", out), out
-    assert re.search(r"grpo_n8 +│ +3 │ .* │ +0\.0100 │ +0\.0100 │ +20-20 │", out), out
+    assert f"at equal compute: each job trained until its budget ({label}) ran out" in " ".join(out.split())
+    assert re.search(rf"graft +│ +3 │ .* │ +0\.0200 │ +{shown} │ +12-12 │", out), out
+    assert re.search(rf"grpo_n8 +│ +3 │ .* │ +0\.0100 │ +{shown} │ +20-20 │", out), out
 
 
 def test_analysis_methods_compares_any_setting_and_a_sweep_file_s_jobs(new_store, tmp_path, capsys):

@@ -66,7 +66,8 @@ def test_interrupted_checkpoint_writes_are_removed_on_resume_and_save(tmp_path):
             (directory / "state").write_text(str(step))
 
     job = driver.Driver.__new__(driver.Driver)
-    job.root, job.backend, job.job_device_seconds, job.streams, job.members = tmp_path, Backend(), 0.0, {}, {}
+    job.root, job.backend, job.streams, job.members = tmp_path, Backend(), {}, {}
+    job.job_device_seconds, job.job_flops = 0.0, 0.0
     (tmp_path / "ckpt-5-abc.tmp").mkdir()
     (tmp_path / "ckpt-5-abc.tmp" / "half").write_text("x")
     job.save_checkpoint(5)

@@ -8,6 +8,7 @@ counted charge needs no such fix: it is a function of the job's tokens."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 
@@ -81,8 +82,8 @@ def test_a_missing_reference_fails_before_any_run_exists(make_job, compose_cfg, 
     (["train.max_gpu_hours=0"], r"train.max_gpu_hours=0.0 must be > 0 GPU-hours"),
     (["train.max_gpu_hours=-1"], r"train.max_gpu_hours=-1.0 must be > 0"),
     (["train.max_gpu_hours=1", "train.gpu_hours_of=abc"], r"all set the budget; keep one of them"),
-    (["train.max_gpu_hours=1", "train.max_flops=1e12"], r"train.max_gpu_hours=1.0 and train.max_flops=1000000000000.0 all "
-                                                         r"set the budget; keep one of them"),
+    (["train.max_gpu_hours=1", "train.max_flops=1e12"],
+     r"train.max_gpu_hours=1.0 and train.max_flops=1000000000000.0 all set the budget; keep one of them"),
     (["train.max_flops=0"], r"train.max_flops=0.0 must be > 0 FLOPs"),
     (["train.flops_of= "], r"train.flops_of is empty; give the run key"),
 ])
@@ -133,7 +134,7 @@ def test_a_counted_budget_stops_where_the_counted_cost_reaches_it(make_job):
     ref_cfg, ref = make_job("method=graft", "study=plain")
     driver.fit(ref_cfg, ref, factory([]))
     plain = job_flops(ref)
-    assert [s for s, _ in plain] == [1, 2, 3, 4, 5, 6] and all(b > a for (_, a), (_, b) in zip(plain, plain[1:]))
+    assert [s for s, _ in plain] == [1, 2, 3, 4, 5, 6] and all(b > a for (_, a), (_, b) in itertools.pairwise(plain))
     budget = (plain[2][1] + plain[3][1]) / 2                  # between step 3's and step 4's cost
     cfg, job = make_job("method=graft", f"train.max_flops={budget!r}")
     driver.fit(cfg, job, factory([]))

@@ -316,3 +316,30 @@ def test_parallel_jobs_sharing_a_grpo_baseline_are_refused(tmp_path, store_templ
     assert done.returncode == 2
     assert "both train tiny-char-llama (grpo_n8, seed 0)" in done.stdout + done.stderr
     assert not (tmp_path / "multirun" / ".submitit").exists()
+
+
+@pytest.mark.parametrize("unit, setting", [(None, "train.gpu_hours_of"), ("flops", "train.flops_of")])
+def test_compute_of_budgets_each_job_by_its_reference_in_the_unit_asked(tmp_path, composer, unit, setting):
+    """``compute_of`` names the reference job; ``compute_unit`` (gpu_hours by default, or flops) says which of
+    its recorded costs is the budget: the budgeted job carries the reference's key in that unit's setting."""
+    grid = "{method: graft, seed: 0, compute_of: {method: grpo_n8}" + (f", compute_unit: {unit}}}" if unit else "}")
+    path = tmp_path / "equal.yaml"
+    path.write_text(f"study: equal\nruns:\n  - {{method: grpo_n8, seed: 0}}\n  - {grid}\n")
+    sweep = plan(path, [], composer)
+    reference, budgeted = (sj.job for sj in sweep.jobs)
+    assert f"{setting}={reference.key}" in budgeted.overrides
+    assert budgeted.cfg.train[setting.split(".")[1]] == reference.key
+
+
+@pytest.mark.parametrize("grid, message", [
+    ("{method: graft, compute_of: {method: grpo_n8}, compute_unit: tokens}",
+     r"runs\[0\].compute_unit='tokens': no job records cost/tokens; a budget is in gpu_hours or flops"),
+    ("{method: graft, compute_unit: flops}", r"runs\[0\].compute_unit=flops without compute_of"),
+    ("{method: graft, compute_of: {method: grpo_n8}, train.max_flops: 1.0e12}",
+     r"runs\[0\] sets both compute_of and train.max_flops; keep one of them"),
+])
+def test_a_budget_in_a_unit_no_job_records_fails_at_planning(tmp_path, grid, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"study: bad\nruns:\n  - {grid}\n")
+    with pytest.raises(SweepError, match=message):
+        plan(path, [])

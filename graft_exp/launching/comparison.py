@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from rich.table import Table
@@ -34,8 +34,9 @@ class MethodRow:
     models: list[str]                       # "A qwen3-1.7b-base", ...
     scores: dict[str, dict[str, float]]     # seed -> {model label or "pair": score}
     gpu_hours: list[float]
-    budgets: list[float]                    # GPU-hour budgets its jobs ran under (equal compute)
+    budgets: list[float]                    # the budgets its jobs ran under (equal compute), in ``budget_units``
     steps: list[int]                        # the steps its jobs trained
+    budget_units: set[str] = field(default_factory=set)
 
 
 def seed_order(seeds) -> list[str]:
@@ -65,6 +66,7 @@ def method_rows(results: list) -> dict[str, list[MethodRow]]:
             row.gpu_hours.append(job.gpu_hours)
         if job.budget is not None:
             row.budgets.append(job.budget)
+            row.budget_units.add(job.budget_unit)
         if job.last_step is not None:
             row.steps.append(job.last_step)
     return {pair: list(rows.values()) for pair, rows in pairs.items()}
@@ -98,15 +100,21 @@ class Comparison:
 
     @property
     def equal_compute(self) -> bool:
-        """Whether the compared jobs ran under GPU-hour budgets (App. D): then steps differ by method."""
-        return any(not math.isnan(row["budget gpu_hours"]) for row in self.rows)
+        """Whether the compared jobs ran under budgets: then steps differ by method."""
+        return any(not math.isnan(row["budget"]) for row in self.rows)
+
+    @property
+    def budget_unit(self) -> str:
+        """What the budgets were spent in: GPU-h (App. D's measured charge), FLOPs (counted), or both."""
+        units = sorted({row["budget unit"] for row in self.rows if row["budget unit"]})
+        return " or ".join({"gpu_hours": "GPU-h", "flops": "FLOPs"}[u] for u in units)
 
     @property
     def note(self) -> str:
         settings = ("the compared jobs differ besides method and seed in: " + "; ".join(self.differ)) if self.differ \
             else "the compared jobs have the same settings besides method and seed"
-        return settings + ("; at equal compute: each job trained until its GPU-hour budget ran out (the steps it "
-                           "bought per method)" if self.equal_compute else "")
+        return settings + (f"; at equal compute: each job trained until its budget ({self.budget_unit}) ran out (the "
+                           "steps it bought per method)" if self.equal_compute else "")
 
 
 def compare(results: list, reference: str | None = None, by: str = "method") -> list[Comparison]:
@@ -133,7 +141,8 @@ def compare(results: list, reference: str | None = None, by: str = "method") -> 
                 if row is not ref else (math.nan, math.nan, math.nan)
             entry |= {"delta": mean, "delta lo": lo, "delta hi": hi, "paired seeds": len(both),
                       "gpu_hours per job": sum(row.gpu_hours) / len(row.gpu_hours) if row.gpu_hours else math.nan,
-                      "budget gpu_hours": sum(row.budgets) / len(row.budgets) if row.budgets else math.nan,
+                      "budget": sum(row.budgets) / len(row.budgets) if row.budgets else math.nan,
+                      "budget unit": ",".join(sorted(row.budget_units)),
                       "steps min": min(row.steps, default=math.nan), "steps max": max(row.steps, default=math.nan)}
             if row is not ref and len(both) >= RLIABLE_MIN_SEEDS:
                 measures = rliable_measures(np.array([row.scores[s]["pair"] for s in both]),
@@ -166,13 +175,13 @@ def tables(comparisons: list[Comparison]) -> list[tuple[Table, str]]:
     for c in comparisons:
         table = Table(title=f"{c.pair}: test avg % of the best checkpoints, mean ± s.e. over seeds; paired vs "
                             f"{c.reference}", title_justify="left")
-        budget = ("budget GPU-h", "steps") if c.equal_compute else ()
+        budget = (f"budget {c.budget_unit}", "steps") if c.equal_compute else ()
         for column in ("method", "seeds", *c.models, "pair avg", f"Δ pair vs {c.reference} [95% CI]", "P(improve)",
                        "GPU-h / job", *budget):
             table.add_column(column, justify="left" if column == "method" else "right")
         for row in c.rows:
             cost = row["gpu_hours per job"]
-            bought = (f"{row['budget gpu_hours']:.4f}", f"{row['steps min']}-{row['steps max']}") if budget else ()
+            bought = (f"{row['budget']:.4g}", f"{row['steps min']}-{row['steps max']}") if budget else ()
             table.add_row(row["method"], str(row["seeds"]),
                           *(_pct(row[f"{label} mean"], row[f"{label} se"]) for label in [*c.models, "pair"]),
                           delta_text(row, c.reference), f"{row['P(improve)']:.2f}" if "P(improve)" in row else "-",

@@ -46,8 +46,10 @@ class JobResult:
     seed: str = ""
     pair: str = ""
     params: dict[str, str] = field(default_factory=dict)   # the job run's params: its flattened config
-    budget: float | None = None    # its GPU-hour budget (equal compute), if it ran under one
+    budget: float | None = None    # its equal-compute budget, if it ran under one, in ``budget_unit``
     last_step: int | None = None   # the last step it trained
+    budget_unit: str | None = None  # gpu_hours | flops (``schema.CHARGES``)
+    flops: float | None = None     # its counted cost (cost/flops), absent on runs from before that charge
 
     @property
     def pair_score(self) -> float | None:
@@ -73,10 +75,12 @@ def job_result(client: MlflowClient, run, label: str) -> JobResult:
         models.append(ModelResult(tags.get("graft.role", "?"), tags.get("graft.model", "?"), child.info.status,
                                   scores, tags.get("graft.best_step"), metrics.get("cost/gpu_hours")))
     tags = run.data.tags
-    return JobResult(label, run.info.status, run.data.metrics.get("cost/gpu_hours"), models,
+    unit = next((u for u in schema.CHARGES if schema.budget_tag(u) in tags), None)
+    return JobResult(label, run.info.status, run.data.metrics.get(schema.GPU_HOURS), models,
                      tags.get(schema.METHOD, ""), tags.get(schema.SEED, ""), tags.get(schema.PAIR, ""),
-                     dict(run.data.params), float(tags[schema.BUDGET]) if schema.BUDGET in tags else None,
-                     int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else None)
+                     dict(run.data.params), float(tags[schema.budget_tag(unit)]) if unit else None,
+                     int(tags[schema.LAST_STEP]) if schema.LAST_STEP in tags else None, unit,
+                     run.data.metrics.get(schema.FLOPS))
 
 
 def _pct(value: float | None) -> str:
@@ -130,7 +134,8 @@ def print_job(uri: str, run_id: str, label: str) -> None:
     client = MlflowClient(uri)
     result = job_result(client, client.get_run(run_id), label)
     console.print(job_table(result))
-    console.print(f"job cost: {_hours(result.gpu_hours)} GPU-hours (App. D: devices x training-step wall time)")
+    console.print(f"job cost: {_hours(result.gpu_hours)} GPU-hours (App. D: devices x training-step wall time), "
+                  f"{'-' if result.flops is None else f'{result.flops:.3g}'} FLOPs counted (cost/flops)")
 
 
 def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str | None = None) -> None:

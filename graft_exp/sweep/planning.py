@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from graft_exp.config import BUDGET_SETTINGS
 from graft_exp.launching.jobs import Composer, Job, estimate_gpu_hours
 
 
@@ -29,8 +30,9 @@ def _override(key: str, value) -> str:
     return f"{key}={value}"
 
 
-#: Grid keys that are not Hydra overrides: ``after`` (jobs needed first) and ``compute_of`` (equal compute).
-PLAN_KEYS = ("after", "compute_of")
+#: Grid keys that are not Hydra overrides: ``after`` (jobs needed first), ``compute_of`` (equal compute) and
+#: ``compute_unit`` (the charge that budget is in: gpu_hours, App. D's measured one, the default; or flops, counted).
+PLAN_KEYS = ("after", "compute_of", "compute_unit")
 
 
 def expand(grid: dict) -> list[tuple[str, ...]]:
@@ -90,8 +92,16 @@ def _check_grid(path: Path, i: int, grid) -> None:
             if not (isinstance(value, dict) and value and all(_scalar(v) for v in value.values())):
                 raise SweepError(f"{where}.compute_of={value!r} must map keys to the reference job's values, "
                                  "e.g. compute_of: {method: grpo_n8}")
-            if "train.max_gpu_hours" in grid:
-                raise SweepError(f"{where} sets both compute_of and train.max_gpu_hours; keep one of them")
+            budgets = [f"train.{name}" for names in BUDGET_SETTINGS.values() for name in names if f"train.{name}" in grid]
+            if budgets:
+                raise SweepError(f"{where} sets both compute_of and {budgets[0]}; keep one of them")
+        elif key == "compute_unit":
+            if value not in BUDGET_SETTINGS:
+                raise SweepError(f"{where}.compute_unit={value!r}: no job records cost/{value}; a budget is in "
+                                 f"{' or '.join(BUDGET_SETTINGS)} (cost/gpu_hours measured, cost/flops counted)")
+            if not grid.get("compute_of"):
+                raise SweepError(f"{where}.compute_unit={value} without compute_of: name the reference job whose "
+                                 "cost is the budget, e.g. compute_of: {method: grpo_n8}")
         elif key == "after":
             for change in _as_list(value):
                 if not isinstance(change, dict) or not all(_scalar(v) for v in change.values()):
@@ -161,7 +171,7 @@ def plan(path: Path, overrides: list[str], composer: Composer | None = None, spe
                     # finished, so the job names the reference's key (its identity) and runs after it.
                     reference = add(replace(ovs, grid["compute_of"]))
                     deps.append(reference)
-                    ovs = (*ovs, f"train.gpu_hours_of={reference}")
+                    ovs = (*ovs, f"train.{BUDGET_SETTINGS[grid.get('compute_unit', 'gpu_hours')][1]}={reference}")
                 key = add(ovs)
                 after.setdefault(key, []).extend(d for d in deps if d != key)
         uri = composer.base.tracking.uri
