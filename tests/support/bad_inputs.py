@@ -142,6 +142,14 @@ CASES = [
          "method.params.top_fraction=abc: method.selection=top_fraction needs a number in [0, 1]"),
     Case("a rule parameter set to null", ("method=graft_top_half", "method.params.top_fraction=null"),
          "method.params.top_fraction=null: method.selection=top_fraction needs a number in [0, 1]"),
+    Case("both budgets at once", ("train.max_gpu_hours=1", "train.max_flops=1e12"),
+         "train.max_gpu_hours=1.0 and train.max_flops=1000000000000.0 all set the budget; keep one of them"),
+    Case("a budget in a unit no job records", ("tokens.yaml",), "compute_unit='tokens': no job records cost/tokens",
+         module="graft_exp.sweep", files={"tokens.yaml": "study: x\nruns:\n  - {method: graft, compute_of: "
+                                                          "{method: grpo_n8}, compute_unit: tokens}\n"}),
+    Case("a counted budget whose reference recorded GPU-hours only", ("train.flops_of=old-job",),
+         "train.flops_of=old-job: that job recorded no cost/flops (it ran before that charge existed; it records "
+         "cost/gpu_hours): budget with train.gpu_hours_of instead"),
 ]
 
 
@@ -172,7 +180,7 @@ def run_entry_point(hide: tuple[str, ...], module: str, args: list[str]) -> None
 
 def seed_store(where: Path) -> None:
     """The store every case starts from: graft/default with FINISHED GRPO n=8 model runs of both tiny
-    models (seed 0) tagged with a data order no current job has."""
+    models (seed 0) tagged with a data order no current job has, and a FINISHED job that recorded GPU-hours only."""
     from mlflow.tracking import MlflowClient
 
     from graft_exp.tracking import EXPERIMENT_TAGS
@@ -184,6 +192,10 @@ def seed_store(where: Path) -> None:
             "graft.run_key": f"old-{model}", "graft.method": "grpo_n8", "graft.model": model, "graft.seed": "0",
             "graft.data_order": "an-older-order"})
         client.set_terminated(run.info.run_id, "FINISHED")
+    # A finished job from before the counted charge: it recorded cost/gpu_hours only.
+    job = client.create_run(experiment, tags={"graft.run_key": "old-job", "graft.method": "grpo_n8"})
+    client.log_metric(job.info.run_id, "cost/gpu_hours", 0.05, step=20)
+    client.set_terminated(job.info.run_id, "FINISHED")
 
 
 def store_content(db: Path) -> list:
