@@ -66,12 +66,12 @@ def verl_configs(method: str, group: str | None) -> dict:
     return json.loads(json.dumps(configs).replace(str(ROOT), "<repo>"))
 
 
-def run_job(method: str, steps: int, tmp: str, group: str | None) -> dict:
+def run_job(method: str, steps: int, tmp: str, group: str | None, also: tuple[str, ...] = ()) -> dict:
     uri = f"sqlite:///{tmp}/mlflow.db"
     study = f"baseline_{group}" if group else "baseline"
     cmd = [sys.executable, "-m", "graft_exp", f"method={method}", f"train.max_steps={steps}",
            f"tracking.uri={uri}", f"checkpoint_root={tmp}/ckpt", f"study={study}", *SMALL,
-           *([f"group={group}"] if group else [])]
+           *([f"group={group}"] if group else []), *also]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--methods", nargs="*", default=None)
+    parser.add_argument("--also", nargs="*", default=[], help="overrides for every job (e.g. a setting that must "
+                                                             "change no metric)")
     args = parser.parse_args()
     register_schemas()
     methods = args.methods or sorted(p.stem for p in (CONF / "method").glob("*.yaml") if p.stem != "graft_stored")
@@ -104,10 +106,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in methods:
             three = serves_three(method)
-            results[method] = {"pair": run_job(method, args.steps, tmp, None),
+            results[method] = {"pair": run_job(method, args.steps, tmp, None, tuple(args.also)),
                                "verl_pair1": verl_configs(method, None)}
             if three:
-                results[method]["tiny3"] = run_job(method, args.steps, tmp, "tiny3")
+                results[method]["tiny3"] = run_job(method, args.steps, tmp, "tiny3", tuple(args.also))
                 results[method]["verl_trio"] = verl_configs(method, "trio")
             print(method, "done", "(and tiny3)" if three else "", flush=True)
     args.out.write_text(json.dumps(results, indent=1, sort_keys=True))

@@ -138,6 +138,7 @@ class TrainConfig:
     gpu_hours_of: str | None = added_setting(None)      # a run key: max_gpu_hours = that job's cost/gpu_hours
     max_flops: float | None = added_setting(None)       # stop once the job's counted cost/flops reaches it
     flops_of: str | None = added_setting(None)          # a run key: max_flops = that job's cost/flops
+    probe_transfers: bool = added_setting(False)        # sample each receiver again after its update (transfer log)
     optimizer: str = MISSING
     lr: float = MISSING
     lr_warmup_steps: int = MISSING

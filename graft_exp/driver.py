@@ -37,13 +37,15 @@ from graft_exp.config import peers, roles, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
-from graft_exp.exchange import peer_solved_frac, plan_step, rollout_metrics
+from graft_exp.exchange import REPLAYED, peer_solved_frac, plan_step, rollout_metrics
 from graft_exp.objective import LossSpec
 from graft_exp.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scores import checkpoint_score, job_score
 from graft_exp.seeds import derive_seed
 from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
+from graft_exp.transfers import Scored, group_rows, transfer_metrics
+from graft_exp.transfers import write_step as write_transfers
 
 log = logging.getLogger("graft_exp.driver")
 #: DAPO's cap on prompt batches drawn to fill one dynamic-sampling batch (its ``max_num_gen_batches``).
@@ -236,49 +238,57 @@ class Driver:
         own = self.each(sample)
         # 2. Exchange (exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
         #    old policy (eq. 8), gated weights (eq. 9), each receiver's rows.
-        scored = {role: {} for role in roles}   # (prompt, sample) -> the receiver's tokens of a scored peer response
+        scored = {role: Scored() for role in roles}   # what each receiver's scorer computed, for the count and log
         scorers = {role: self.counted(role, self.backend.scorer(role, own[role]), own[role], scored[role])
                    for role in roles}
         with timer(*roles):
-            batches, sources, ratios, job_metrics = self.plan_receivers(step, own, scorers)
+            batches, sources, ratios, transfers, job_metrics = self.plan_receivers(step, own, scorers)
         for role in roles:
             self.work[role] += self.update_flops(role, batches[role], own[role], sources[role], scored[role])
 
         # 3. Update each receiver: one optimizer step per minibatch, in the method's order (peer groups last),
         #    on the method's loss (eq. 10 for GRAFT; objective.py).
+        orders = {}
+
         def update(role):
             with timer(role):
-                order = batches[role].minibatches(method, method.minibatch_prompts(self.cfg.train),
-                                                  generator(self.cfg.seed, step, role, "order"))
-                return self.backend.update(role, batches[role], order, own[role], sources[role], ratios[role])
+                orders[role] = batches[role].minibatches(method, method.minibatch_prompts(self.cfg.train),
+                                                         generator(self.cfg.seed, step, role, "order"))
+                return self.backend.update(role, batches[role], orders[role], own[role], sources[role], ratios[role])
         counts = self.each(update)
-        # 4. Record: per-model metrics, the trajectory log, GPU-hours.
+        # 4. Record: per-model metrics, the trajectory log, GPU-hours and counted FLOPs; then (not charged) the
+        #    transfer log, with the receivers' successes after the update where the probe is on.
         metrics = {role: self.record(role, step, own, batches[role], counts[role],
                                      self.peer_rollouts(role, own, sources[role])) for role in roles}
         job_metrics.update(self.charge(timer.seconds, time.perf_counter() - started, metrics))
+        if transfers:
+            for role, rows in self.transfer_log(step, own, batches, orders, transfers, sources, scored).items():
+                metrics[role].update(transfer_metrics(rows))
         return metrics, job_metrics
 
-    def counted(self, role: str, scorer: Scorer, own: Sampled, lengths: dict[tuple[int, int], int]) -> Scorer:
-        """``scorer`` counting its work: a forward pass of the receiver over each scored peer response
-        (prompt + response in its tokens, whose lengths the update's count reads from ``lengths``)."""
+    def counted(self, role: str, scorer: Scorer, own: Sampled, scored: Scored) -> Scorer:
+        """``scorer`` counting its work, a forward pass of the receiver over each scored peer response (prompt +
+        response in its tokens), and keeping what it computed in ``scored`` (the update's count, the transfer log)."""
         def score(prompts: list[int], source: Rollouts):
             logp, tokens = scorer(prompts, source)
             for row, q in enumerate(prompts):
                 for i, count in enumerate(tokens[row].tolist()):
-                    lengths[q, i] = int(count)
+                    scored.keep(q, source, i, float(logp[row, i]), int(count))
                     self.work[role] += self.shapes[role].forward(own.prompt_tokens[q] + int(count))
             return logp, tokens
         return score
 
     def update_flops(self, role: str, batch: ReceiverBatch, own: Sampled, source: Rollouts | None,
-                     scored: dict[tuple[int, int], int]) -> float:
+                     scored: Scored) -> float:
         """The counted work of ``role``'s update: every row (and SGT's NLL rows) forward and backward in each of
         ``train.ppo_epochs`` passes, and the reference model's forward over the rows when the loss has a KL
         term. A peer response counts the receiver's tokens the scorer saw; one it did not score (an NLL row)
         counts the source's tokens."""
         def length(q: int, i: int, peer: bool) -> int:
-            response = (scored.get((q, i), int(source.num_tokens[q, i])) if peer else int(own.rollouts.num_tokens[q, i]))
-            return own.prompt_tokens[q] + response
+            if not peer:
+                return own.prompt_tokens[q] + int(own.rollouts.num_tokens[q, i])
+            tokens = scored.of(q, source, i)[1]
+            return own.prompt_tokens[q] + (tokens if tokens >= 0 else int(source.num_tokens[q, i]))
         rows = [length(r.prompt, r.sample, r.origin == PEER) for r in batch.rows]
         trained = rows + [length(q, i, True) for q, i in batch.nll]
         shape = self.shapes[role]
@@ -298,8 +308,52 @@ class Driver:
                     if self.members[role].replayed is not None}
         batches, sources, transfers = plan_step(method, rollouts, scorers, generator(self.cfg.seed, step, "exchange"),
                                                 replayed=replayed, capability_ratios=ratios)
-        return batches, sources, ratios, {schema.exchange_metric(s, r): float(mask.sum())
-                                          for (s, r), mask in transfers.items()}
+        exchanged = {schema.exchange_metric(s, r): float(mask.sum()) for (s, r), mask in transfers.items() if s != REPLAYED}
+        return batches, sources, ratios, transfers, exchanged
+
+    def transfer_log(self, step: int, own: dict[str, Sampled], batches: dict[str, ReceiverBatch],
+                     orders: dict[str, list[list[int]]], transfers: dict, plan_sources: dict[str, Rollouts | None],
+                     scored: dict[str, Scored]) -> dict[str, dict]:
+        """Each receiver's transfer log of this step (``graft_exp.transfers``), written beside its trajectory log;
+        with ``train.probe_transfers``, the receiver samples again, after its update, the prompts it received a
+        group on and the ones it could have (it failed them all, a source solved some: the controls). Draws
+        nothing the training uses. Returns each receiver's rows."""
+        out = {}
+        for receiver, batch in batches.items():
+            pairs = [(s, mask) for (s, r), mask in transfers.items() if r == receiver]
+            if not pairs:
+                continue
+            sources = {s: (plan_sources[receiver] if s == REPLAYED else own[s].rollouts) for s, _ in pairs}
+            minibatch = {g: index for index, groups in enumerate(orders[receiver]) for g in groups}
+            mine = own[receiver].rollouts
+            after = self.probe(receiver, step, own[receiver], pairs, sources) if self.cfg.train.probe_transfers else {}
+            own_prompts = {row.prompt for row in batch.rows if row.origin != PEER}
+            parts = []
+            for s, selected in pairs:
+                taken = selected.tolist()
+                admitted = {(r.prompt, r.sample): (r.weight, minibatch.get(r.group, -1)) for r in batch.rows
+                            if r.origin == PEER and taken[r.prompt]}
+                admitted.update({(q, i): (1.0, minibatch.get(q, -1)) for q, i in batch.nll if taken[q]})
+                replaced = set(range(len(taken))) - own_prompts
+                parts.append(group_rows(step, mine.model, sources[s].model, own[receiver].problems, sources[s],
+                                        mine.k.tolist(), taken, admitted, replaced, scored[receiver], after))
+            write_transfers(self.root / "transfers" / receiver, step, parts)
+            out[receiver] = {name: [v for part in parts for v in part[name]] for name in parts[0]}
+        return out
+
+    def probe(self, role: str, step: int, own: Sampled, pairs: list, sources: dict[str, Rollouts]) -> dict[int, int]:
+        """The receiver's successes after its update on the prompts it received a group on and on its controls
+        (prompts it failed entirely that some source solved, not received): {prompt: k}."""
+        received = torch.stack([mask for _, mask in pairs]).any(dim=0)
+        solved = torch.stack([sources[s].k > 0 for s, _ in pairs]).any(dim=0)
+        probed = torch.nonzero(received | (solved & (own.rollouts.k == 0))).flatten().tolist()
+        if not probed:
+            return {}
+        problems = [own.problems[q] for q in probed]
+        out = self.backend.sample(role, problems, int(self.method.config.n),
+                                  derive_seed(self.cfg.seed, step, role, "probe"), step)
+        rewards, _ = self.scored(problems, out.responses)
+        return dict(zip(probed, rewards.sum(dim=1).int().tolist()))
 
     def peer_rollouts(self, role: str, own: dict[str, Sampled], source: Rollouts | None) -> dict[str, Rollouts]:
         """What ``role``'s peers sampled on its prompts, by peer role: the replayed log, or the other members'
@@ -439,6 +493,9 @@ class Driver:
             staged.mkdir()
             member.run.log_artifact(write_prompt_success(read_log(traj), staged / "prompt_success.parquet"))
             member.run.client.log_artifacts(member.run.run_id, str(traj), "trajectories")
+            if (self.root / "transfers" / member.role).is_dir():
+                member.run.client.log_artifacts(member.run.run_id, str(self.root / "transfers" / member.role),
+                                                "transfers")
             member.run.finish("FINISHED")
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 

@@ -34,6 +34,9 @@ from graft_exp.methods import Method
 from graft_exp.receiver import Scorer
 from graft_exp.rollouts import Rollouts
 
+#: The source of a receiver's transfers from a replayed log (stored replay) in ``plan_step``'s transfer masks.
+REPLAYED = "replayed"
+
 
 def select_prompts(method: Method, k_a: torch.Tensor, k_b: torch.Tensor, n: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,15 +53,17 @@ def plan_step(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, 
     methods: own groups only, the peer loss's ``assemble`` with nothing selected).
 
     Returns (batch of each receiver, the source Rollouts of each receiver's peer rows (None: no peer), the
-    transferred-prompt mask of every ordered (source, receiver) pair of an exchange among the members).
+    transferred-prompt mask of every ordered (source, receiver) pair of an exchange among the members; a
+    replayed log's source is ``REPLAYED``).
     """
     if replayed:
-        batches = {}
+        batches, transfers = {}, {}
         for role, own in rollouts.items():
             to_receiver, _ = select_prompts(method, replayed[role].k, own.k, own.n, generator)
             batches[role] = method.peer_loss.assemble(method, own, replayed[role], to_receiver, scorers[role],
                                                       generator)
-        return batches, dict(replayed), {}
+            transfers[REPLAYED, role] = to_receiver
+        return batches, dict(replayed), transfers
     if method.co_train:
         return plan_exchange(method, rollouts, scorers, generator, capability_ratios)
     batches = {role: method.peer_loss.assemble(method, own, own, torch.zeros(own.rewards.shape[0], dtype=torch.bool),
