@@ -1,4 +1,4 @@
-"""``python -m analysis {tables,figures,compare,methods,decisions,readme}``: the paper's tables and figures from
+"""``python -m analysis {tables,figures,compare,methods,decisions,transfers,readme}``: the paper's tables and figures from
 MLflow; ``methods`` compares the methods of any finished jobs.
 
 ``readme`` rebuilds a page's generated results section (the tiny study's in ``docs/tiny.md``, the K-model
@@ -160,6 +160,21 @@ def cmd_decisions(args) -> None:
             console.print(f"[bold]{path}[/]\n{path.read_text()}", soft_wrap=True)
 
 
+def cmd_transfers(args) -> None:
+    from analysis import transfers
+
+    client = MlflowClient(args.tracking_uri)
+    ids = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")
+           if args.experiment is None or e.name in args.experiment]
+    table, paths = transfers.write(client, ids, args.out)
+    if table.empty:
+        raise StoreUnavailable(f"no finished model run in {args.experiment or 'graft/*'} has a transfer log whose "
+                               "prompts were measured again: train with train.probe_transfers=true (or over several "
+                               "epochs, which revisit the prompts)")
+    console.print(transfers.markdown(table), soft_wrap=True)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
 def cmd_readme(args) -> None:
     path = readme.write(args.out, args.page, args.section)
     console.print(f"rebuilt the {args.section} section of {path} from {args.out}")
@@ -177,6 +192,8 @@ def parser() -> argparse.ArgumentParser:
                                       "P(improve) and IQM), and scores at equal compute beside equal steps")),
         "methods": (cmd_methods, ("the methods of any finished jobs against a reference, paired by seed (the "
                                   "comparison a multirun ends with), selected by experiment and --where filters")),
+        "transfers": (cmd_transfers, ("absorption of transferred prompts vs controls from the transfer logs, by "
+                                      "method, direction, receiver log-prob and subject")),
         "readme": (cmd_readme, "rebuild a page's generated results section from the tables and figures in OUT"),
     }
     for name, (handler, help_text) in specs.items():
@@ -205,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
                                  help="only the jobs of this sweep file (in its study's experiment)")
             command.add_argument("--by", default="method", help="the setting whose values are compared, paired "
                                  "by seed (default: method; e.g. method.delta)")
+            command.set_defaults(handler=handler)
+            continue
+        if name == "transfers":
             command.set_defaults(handler=handler)
             continue
         if name == "decisions":

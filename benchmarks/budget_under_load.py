@@ -4,8 +4,8 @@
 
 A reference GRAFT job of the tiny pair trains ``--reference-steps`` steps; its final ``cost/flops`` and
 ``cost/gpu_hours`` are the budgets (``train.flops_of`` / ``train.gpu_hours_of`` name it). Then the same job
-with ``train.max_steps`` twice as long runs under each budget, once as it is and once beside ``--hogs`` busy
-processes (default: one per core). Prints, per charge and load, the step each job stopped at and the cost it
+with ``train.max_steps`` twice as long runs under each budget (``rerun=true``: the same run key, a fresh run),
+once as it is and once beside ``--hogs`` busy processes (default: one per core). Prints, per charge and load, the step each job stopped at and the cost it
 had then. The counted charge stops both at the reference's step; the measured one stops the loaded job
 earlier, since every step takes longer.
 """
@@ -35,9 +35,11 @@ def spin() -> None:
 
 
 def train(store: Path, *overrides: str) -> None:
-    subprocess.run([sys.executable, "-m", "graft_exp", f"tracking.uri=sqlite:///{store}/mlflow.db",
-                    f"checkpoint_root={store}/ckpt", *SMALL, *overrides], check=True, cwd=store,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-m", "graft_exp", f"tracking.uri=sqlite:///{store}/mlflow.db",
+                           f"checkpoint_root={store}/ckpt", *SMALL, *overrides], check=False, cwd=store,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(overrides)} failed:\n{done.stderr[-3000:]}")
 
 
 def job_run(client: MlflowClient, study: str):
@@ -69,7 +71,7 @@ def main() -> None:
                     hog.start()
                 try:
                     train(store, f"study={study}", f"train.max_steps={2 * args.reference_steps}",
-                          f"train.{unit}_of={key}", *args.overrides)
+                          f"train.{unit}_of={key}", "rerun=true", *args.overrides)
                 finally:
                     for hog in hogs:
                         hog.kill()
