@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from rich.table import Table
 
-from graft_exp.intervals import paired_interval, rliable_measures
 from graft_exp.config import BUDGET_SETTINGS
+from graft_exp.intervals import paired_interval, rliable_measures
 from graft_exp.tracking.identity import NON_IDENTITY_KEYS
 
 REFERENCE = "grpo_n8"
