@@ -331,6 +331,14 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
             assert datetime.date.fromisoformat(date).strftime("%d %B %Y") in pinned
     if method == "hacpo":                                       # its KL term's reference pass
         assert all(m.wg.calls.get("compute_ref_log_prob", 0) >= 1 for b in backends for m in b.models.values())
+    # Both charges every step, the counted one from the verl batches' prompt lengths and the models' configs;
+    # each receiver of an exchange method has its transfer log, one file per step, as an artifact.
+    flops = [m.value for m in resumed.client.get_metric_history(job.run_id, "cost/flops")]
+    assert len(flops) == 2 and 0 < flops[0] < flops[1]
+    for child in model_runs(resumed.client, job.run_id).values():
+        artifacts = {a.path for a in resumed.client.list_artifacts(child.info.run_id, "transfers")}
+        assert artifacts == ({"transfers/step_000001.parquet", "transfers/step_000002.parquet"}
+                             if method != "grpo_ds" else set())
     # verl's agent loop rendered each dataset prompt with the model's chat template: the tiny prompt format
     texts = {model_input(p.prompt) for p in train_split(SKILLS, EVAL_SIZE, TRAIN_PROBLEMS)}
     texts |= {model_input(p.prompt) for skill in SKILLS for p in benchmark(skill, EVAL_SIZE)[:BENCH_PROBLEMS]}
