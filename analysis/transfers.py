@@ -1,11 +1,11 @@
 """``python -m analysis transfers``: did the receivers learn from the transfers? Absorption rates from the
 transfer logs (``graft_exp.transfers``) of every finished model run, with intervals.
 
-A prompt's absorption is whether the receiver solves it at least once after the step (k > 0), measured by the
-probe (``train.probe_transfers``: the receiver samples the prompt again right after its update) or, at no
-cost, at the receiver's next visit of the prompt in a later epoch (its ``prompt_success.parquet``). Prompts
-it received a group on are compared with its **controls**: prompts it failed entirely (k = 0) that a source
-solved (k > 0), where nothing was transferred. Controls are fair only where the rule cut such candidates for
+The prompts compared are a receiver's **candidates**: those it failed entirely (k = 0) that a source solved
+(k > 0). A candidate is absorbed when the receiver solves it at least once after the step (k > 0), measured by
+the probe (``train.probe_transfers``: the receiver samples the prompt again right after its update) or, at no
+cost, at the receiver's next visit of the prompt in a later epoch (its ``prompt_success.parquet``). Candidates
+it received a group on are compared with its **controls**, the candidates where nothing was transferred. Controls are fair only where the rule cut such candidates for
 reasons unrelated to the prompt: balancing, ties and random draws (``graft_random_prompts``); a gate that
 rejected every response of a group leaves it "selected" with nothing admitted. A method that transfers on every
 prompt (HACPO) has no controls: its rows say so. Breakdowns: by method, by direction (source -> receiver), by
@@ -50,14 +50,16 @@ def newcombe(a: tuple[int, int], b: tuple[int, int]) -> tuple[float, float, floa
 
 def prompt_rows(log: pd.DataFrame) -> pd.DataFrame:
     """One row per (step, prompt) of one receiver's log: whether any source's group was received, whether it is
-    a control (failed entirely, some source solved it, nothing received), the probe's k after the step, the
-    mean receiver log-prob of the admitted responses and how many were admitted."""
+    a candidate (the receiver failed it entirely, its source, or for a prompt not received any source, solved
+    it) and a control (a candidate not received), the probe's k after the step, the mean receiver log-prob of
+    the admitted responses and how many were admitted."""
     if log.empty:
         return pd.DataFrame()
     admitted = log[log["admitted"]]
     logp = admitted.groupby(["step", "prompt_index"])["receiver_logp_mean"].mean()
     count = admitted.groupby(["step", "prompt_index"]).size()
-    chosen = log[log["selected"]].groupby(["step", "prompt_index"])["source"].first()
+    selected = log[log["selected"]].groupby(["step", "prompt_index"])
+    chosen, chosen_k = selected["source"].first(), selected["k_source"].first()
     grouped = log.groupby(["step", "prompt_index"])
     prompts = grouped.agg(prompt_id=("prompt_id", "first"), subject=("subject", "first"),
                           receiver=("receiver", "first"), k_receiver=("k_receiver", "first"),
@@ -66,7 +68,10 @@ def prompt_rows(log: pd.DataFrame) -> pd.DataFrame:
     prompts["source"] = chosen.reindex(prompts.index)
     prompts["admitted"] = count.reindex(prompts.index).fillna(0).astype(int)
     prompts["logp_mean"] = logp.reindex(prompts.index)
-    prompts["control"] = ~prompts["received"] & (prompts["k_receiver"] == 0) & (prompts["k_source"] > 0)
+    # A received prompt's source is the one it came from; a control's, any that solved it.
+    prompts["k_source"] = chosen_k.reindex(prompts.index).fillna(prompts["k_source"]).astype(int)
+    prompts["candidate"] = (prompts["k_receiver"] == 0) & (prompts["k_source"] > 0)
+    prompts["control"] = ~prompts["received"] & prompts["candidate"]
     return prompts.reset_index()
 
 
@@ -111,6 +116,8 @@ def load(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame()
     rows = pd.concat(frames, ignore_index=True)
+    if rows["pair"].nunique() > 1:   # a method on a pair and on a group are two rows
+        rows["method"] = rows["method"] + " (" + rows["pair"] + ")"
     rows["measured"] = np.where(rows["k_after"] >= 0, "probe", np.where(rows["k_next"].notna(), "next visit", ""))
     rows["absorbed"] = np.where(rows["k_after"] >= 0, rows["k_after"] > 0, rows["k_next"] > 0)
     return rows
@@ -123,7 +130,7 @@ def rates(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     out = []
     for key, group in measured.groupby(by, dropna=False) if by else [((), measured)]:
         key = key if isinstance(key, tuple) else (key,)
-        received, control = group[group["received"]], group[group["control"]]
+        received, control = group[group["received"] & group["candidate"]], group[group["control"]]
         a = (int(received["absorbed"].sum()), len(received))
         b = (int(control["absorbed"].sum()), len(control))
         ra, rb, diff = wilson(*a), wilson(*b), newcombe(a, b)
@@ -135,13 +142,20 @@ def rates(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+QUARTILES = ["Q1 (most off-policy)", "Q2", "Q3", "Q4 (closest)"]
+
+
 def logp_buckets(rows: pd.DataFrame) -> pd.Series:
-    """Quartile of each received prompt's admitted responses' mean receiver log-prob (Q1: most off-policy)."""
-    scored = rows["logp_mean"].where(rows["received"])
-    if scored.notna().sum() < 4:
-        return pd.Series("", index=rows.index)
-    return pd.qcut(scored, 4, labels=["Q1 (most off-policy)", "Q2", "Q3", "Q4 (closest)"]).astype(str).where(
-        scored.notna(), "")
+    """Quartile, within its method, of each received candidate's admitted responses' mean receiver log-prob
+    (Q1: the most off-policy)."""
+    scored = rows["logp_mean"].where(rows["received"] & rows["candidate"])
+
+    def quartiles(values: pd.Series) -> pd.Series:
+        if values.notna().sum() < 4:
+            return pd.Series("", index=values.index)
+        ranked = values.rank(method="first")   # ties (a response scored alike) split evenly between quartiles
+        return pd.qcut(ranked, 4, labels=QUARTILES).astype(str).where(values.notna(), "")
+    return scored.groupby(rows["method"]).transform(quartiles)
 
 
 def breakdowns(rows: pd.DataFrame) -> pd.DataFrame:
@@ -151,7 +165,7 @@ def breakdowns(rows: pd.DataFrame) -> pd.DataFrame:
                        logp_quartile=logp_buckets(rows))
     parts = [rates(rows, ["method"]).assign(breakdown="overall")]
     parts.append(rates(rows, ["method", "subject"]).assign(breakdown="subject"))
-    received = rows[rows["received"]]
+    received = rows[rows["received"] & rows["candidate"]]
     only = "received prompts only (a control has neither a source nor a score)"
     parts.append(rates(received.assign(control=False), ["method", "direction"]).assign(breakdown="direction", note=only))
     quartiles = rates(received[received["logp_quartile"] != ""].assign(control=False), ["method", "logp_quartile"])

@@ -101,6 +101,7 @@ def test_rates_by_hand():
     assert newcombe((3, 4), (1, 5)) == pytest.approx((0.55, -0.0682, 0.8119), abs=2e-4)
     rows = pd.DataFrame({"method": "graft", "measured": "probe",
                          "received": [True] * 4 + [False] * 6, "control": [False] * 4 + [True] * 5 + [False],
+                         "candidate": [True] * 9 + [False],
                          "absorbed": [True, True, True, False, True, False, False, False, False, True]})
     row = rates(rows, ["method"]).iloc[0]
     assert (row["received"], row["controls"]) == (4, 5)
@@ -127,3 +128,22 @@ def test_prompt_rows_from_a_small_log_by_hand():
     assert rows.loc["p0", "received"] and not rows.loc["p0", "control"] and rows.loc["p0", "admitted"] == 1
     assert rows.loc["p0", "logp_mean"] == -0.5 and rows.loc["p0", "source"] == "S"
     assert rows.loc["p1", "control"] and not rows.loc["p1", "received"] and rows.loc["p1", "k_after"] == 0
+    assert rows["candidate"].all()
+
+
+def test_a_received_prompt_the_receiver_had_solved_is_no_candidate():
+    """HACPO receives every prompt; only those the receiver failed and its source solved are compared."""
+    base = {"step": 1, "receiver": "R", "source": "S", "subject": "add", "replaced_own": False, "weight": 1.0,
+            "minibatch": 0, "receiver_tokens": 3, "reward": 1.0, "selected": True, "admitted": True,
+            "reason": "admitted", "receiver_logp_mean": -0.5, "sample": 0}
+    log = pd.DataFrame([{**base, "prompt_id": "solved", "prompt_index": 0, "k_source": 2, "k_receiver": 3,
+                         "k_receiver_after": 4},
+                        {**base, "prompt_id": "nothing to learn", "prompt_index": 1, "k_source": 0, "k_receiver": 0,
+                         "k_receiver_after": 0},
+                        {**base, "prompt_id": "candidate", "prompt_index": 2, "k_source": 1, "k_receiver": 0,
+                         "k_receiver_after": 1}])
+    rows = prompt_rows(log).assign(method="hacpo", measured="probe")
+    rows["absorbed"] = rows["k_after"] > 0
+    assert list(rows["candidate"]) == [False, False, True]
+    row = rates(rows, ["method"]).iloc[0]
+    assert (row["received"], row["absorbed after transfer"]) == (1, 1.0)
