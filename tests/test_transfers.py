@@ -147,3 +147,14 @@ def test_a_received_prompt_the_receiver_had_solved_is_no_candidate():
     assert list(rows["candidate"]) == [False, False, True]
     row = rates(rows, ["method"]).iloc[0]
     assert (row["received"], row["absorbed after transfer"]) == (1, 1.0)
+
+
+def test_the_next_visit_of_a_prompt_is_joined_from_the_receivers_own_successes():
+    """Over several epochs a prompt comes back: its k at the receiver's next visit (``prompt_success``) answers
+    without the probe; a prompt never seen again has none."""
+    from analysis.transfers import next_visits
+
+    prompts = pd.DataFrame({"step": [3, 3, 9], "prompt_id": ["p", "q", "p"]})
+    success = pd.DataFrame({"step": [3, 3, 12, 9, 20], "prompt_id": ["p", "q", "p", "p", "p"], "k": [0, 0, 5, 2, 7]})
+    first, never, second = next_visits(prompts, success).tolist()
+    assert (first, second) == (2.0, 5.0) and math.isnan(never)
