@@ -157,7 +157,6 @@ class Driver:
         self.start_step = 1
         if self.backend is not None:
             self.shapes = {role: ModelFlops.of(self.backend.model_config(role)) for role in needed}
-            self.work = dict.fromkeys(needed, 0.0)   # this step's counted FLOPs per model
             problems = self.backend.problems()
             self.total_steps = total_steps(cfg, len(problems))
             streams = list(needed) if self.method.config.dynamic_sampling else ["shared"]
@@ -227,7 +226,7 @@ class Driver:
         """Alg. 1, one training step of every method: (each model's metrics, the job's metrics)."""
         method, roles, timer = self.method, list(self.members), Timer(self.members)
         started = time.perf_counter()
-        self.work = dict.fromkeys(roles, 0.0)
+        self.work = dict.fromkeys(roles, 0.0)   # this step's counted FLOPs per model
         # 1. Sample: n responses per prompt from each model on the same prompts (DAPO: each refills its
         #    own batch), binary rewards, GRPO advantages (eq. 1).
         shared = None if method.config.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))

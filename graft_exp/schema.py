@@ -76,10 +76,10 @@ MODEL_METRICS = {
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
     "cost/flops": "every step: cumulative counted FLOPs of this model's sampling, scoring and updates (costs.ModelFlops)",
     "transfers/admitted": "every step of a method that transfers: peer responses admitted into this model's update",
-    "transfers/absorbed": "with train.probe_transfers: share of the prompts it received a group on that it solves "
-                          "after the update (k > 0)",
-    "transfers/control_absorbed": "with train.probe_transfers: the same share on its controls (prompts it failed "
-                                  "that a source solved, not received)",
+    "transfers/absorbed": "with train.probe_transfers: of its candidates (prompts it failed, the source solved) "
+                          "it received a group on, the share it solves after the update (k > 0)",
+    "transfers/control_absorbed": "with train.probe_transfers: the same share on its controls (candidates it did "
+                                  "not receive)",
     "val/<bench>": "validation steps (0, every eval.val_every, last)", "val/avg": "validation steps",
     "test/<bench>": "final evaluation of the best checkpoint, one per run", "test/avg": "final evaluation",
     "score": "at the end (step 0): the model's final score, the mean of its runs' test/avg (graft_exp.scores); "

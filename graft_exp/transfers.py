@@ -111,20 +111,22 @@ def group_rows(step: int, receiver: str, source: str, problems: Sequence, source
 
 def transfer_metrics(rows: dict[str, list]) -> dict[str, float]:
     """A receiver's per-step metrics from its transfer-log rows: the peer responses admitted into its update and,
-    where the probe ran, the share of received prompts it now solves at least once, and of its controls (prompts
-    it failed entirely that a source solved, none received)."""
+    where the probe ran, of its candidates (prompts it failed entirely that the source solved) the share it now
+    solves at least once: those it received a group on, and the others (its controls)."""
     frame = pd.DataFrame(rows)
     out = {"transfers/admitted": float(frame["admitted"].sum())}
     probed = frame[frame["k_receiver_after"] >= 0]
     if not probed.empty:
-        prompts = probed.groupby("prompt_index").agg(selected=("selected", "any"), k_after=("k_receiver_after", "first"),
-                                                     k_receiver=("k_receiver", "first"), k_source=("k_source", "max"))
-        received = prompts[prompts["selected"]]
-        controls = prompts[~prompts["selected"] & (prompts["k_receiver"] == 0) & (prompts["k_source"] > 0)]
-        if not received.empty:
-            out["transfers/absorbed"] = float((received["k_after"] > 0).mean())
-        if not controls.empty:
-            out["transfers/control_absorbed"] = float((controls["k_after"] > 0).mean())
+        # a received prompt's source is the one it came from; a control's, any that solved it
+        k_source = probed["k_source"].where(probed["selected"], -1).groupby(probed["prompt_index"]).max()
+        prompts = probed.groupby("prompt_index").agg(received=("selected", "any"), k_after=("k_receiver_after", "first"),
+                                                     k_receiver=("k_receiver", "first"), k_any=("k_source", "max"))
+        prompts["k_source"] = k_source.where(prompts["received"], prompts["k_any"])
+        candidates = prompts[(prompts["k_receiver"] == 0) & (prompts["k_source"] > 0)]
+        for name, part in (("absorbed", candidates[candidates["received"]]),
+                           ("control_absorbed", candidates[~candidates["received"]])):
+            if not part.empty:
+                out[f"transfers/{name}"] = float((part["k_after"] > 0).mean())
     return out
 
 

@@ -158,3 +158,16 @@ def test_the_next_visit_of_a_prompt_is_joined_from_the_receivers_own_successes()
     success = pd.DataFrame({"step": [3, 3, 12, 9, 20], "prompt_id": ["p", "q", "p", "p", "p"], "k": [0, 0, 5, 2, 7]})
     first, never, second = next_visits(prompts, success).tolist()
     assert (first, second) == (2.0, 5.0) and math.isnan(never)
+
+
+def test_the_step_metrics_count_candidates_only():
+    """Prompt 0: received, failed before, solved after. Prompt 1: a control (failed; a source solved it once; not
+    received), still failed. Prompt 2: received but already solved 3 of 8 times: no candidate."""
+    from graft_exp.transfers import transfer_metrics
+
+    rows = {"admitted": [True, False, False, False, False, False], "k_receiver_after": [1, 1, 0, 0, 2, 2],
+            "selected": [True, True, False, False, True, True], "prompt_index": [0, 0, 1, 1, 2, 2],
+            "k_receiver": [0, 0, 0, 0, 3, 3], "k_source": [2, 2, 1, 0, 1, 1]}
+    assert transfer_metrics(rows) == {"transfers/admitted": 1.0, "transfers/absorbed": 1.0,
+                                      "transfers/control_absorbed": 0.0}
+    assert transfer_metrics({**rows, "k_receiver_after": [-1] * 6}) == {"transfers/admitted": 1.0}
