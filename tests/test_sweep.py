@@ -319,13 +319,13 @@ def test_parallel_jobs_sharing_a_grpo_baseline_are_refused(tmp_path, store_templ
 
 
 @pytest.mark.parametrize("unit, setting", [(None, "train.gpu_hours_of"), ("flops", "train.flops_of")])
-def test_compute_of_budgets_each_job_by_its_reference_in_the_unit_asked(tmp_path, composer, unit, setting):
+def test_compute_of_budgets_each_job_by_its_reference_in_the_unit_asked(tmp_path, unit, setting):
     """``compute_of`` names the reference job; ``compute_unit`` (gpu_hours by default, or flops) says which of
     its recorded costs is the budget: the budgeted job carries the reference's key in that unit's setting."""
     grid = "{method: graft, seed: 0, compute_of: {method: grpo_n8}" + (f", compute_unit: {unit}}}" if unit else "}")
     path = tmp_path / "equal.yaml"
     path.write_text(f"study: equal\nruns:\n  - {{method: grpo_n8, seed: 0}}\n  - {grid}\n")
-    sweep = plan(path, [], composer)
+    sweep = plan(path, [])
     reference, budgeted = (sj.job for sj in sweep.jobs)
     assert f"{setting}={reference.key}" in budgeted.overrides
     assert budgeted.cfg.train[setting.split(".")[1]] == reference.key

@@ -135,7 +135,7 @@ CASES = [
          "tiny-qwen3-vocab is prompted through a chat template, which verl renders: use backend=verl"),
     Case("a comparison of jobs without test scores",
          ("methods", "--tracking-uri", "sqlite:///store.db", "--out", "reports"),
-         "none of the 2 finished jobs selected has a final test score of each model", module="analysis"),
+         "none of the 3 finished jobs selected has a final test score of each model", module="analysis"),
     Case("a rule parameter out of its range", ("method=graft_top_half", "method.params.top_fraction=1.5"),
          "method.params.top_fraction=1.5: method.selection=top_fraction needs a number in [0, 1]"),
     Case("a rule parameter that is not a number", ("method=graft_top_half", "method.params.top_fraction=abc"),
