@@ -28,13 +28,13 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from graft_exp import schema
-from graft_exp.config import BUDGET_SETTINGS
+from graft_exp.config import BUDGET_KEYS, BUDGET_SETTINGS
 from graft_exp.intervals import paired_interval, rliable_measures
 from graft_exp.scores import checkpoint_score, job_score
 
 UNTIL_DECIDED = "until-decided"
 #: Params that set the budget (or only the study's name): equal-steps twins differ from a budgeted job only there.
-BUDGET_PARAMS = (*(f"train.{name}" for names in BUDGET_SETTINGS.values() for name in names), "study")
+BUDGET_PARAMS = (*BUDGET_KEYS, "study")
 
 
 def _experiments(client: MlflowClient, names: list[str] | None) -> list[str]:
@@ -100,7 +100,7 @@ def job_scores(client: MlflowClient, experiment_ids: list[str]) -> pd.DataFrame:
         tags = run.data.tags
         if schema.MODEL in tags or schema.RUN_KEY not in tags or run.info.run_id not in models:
             continue
-        unit = next((u for u in schema.CHARGES if schema.budget_tag(u) in tags), None)
+        unit = schema.budget_unit(tags)
         reference = next((run.data.params[f"train.{name}"] for _, name in BUDGET_SETTINGS.values()
                           if run.data.params.get(f"train.{name}", "None") != "None"), "None")
         rows.append({"run_id": run.info.run_id, "run_key": tags[schema.RUN_KEY], "reference_key": reference,

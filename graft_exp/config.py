@@ -382,6 +382,8 @@ def validate_train_eval(cfg: DictConfig) -> None:
 #: An equal-compute budget's unit -> (its amount's setting, its reference run's setting) under ``train``; the
 #: units are ``schema.CHARGES``' (GPU-hours as App. D measures them, FLOPs as ``costs.ModelFlops`` counts them).
 BUDGET_SETTINGS = {"gpu_hours": ("max_gpu_hours", "gpu_hours_of"), "flops": ("max_flops", "flops_of")}
+#: The same settings as flattened config keys (a job run's params).
+BUDGET_KEYS = tuple(f"train.{name}" for names in BUDGET_SETTINGS.values() for name in names)
 
 
 def budget_setting(train: DictConfig) -> tuple[str, str, Any] | None:

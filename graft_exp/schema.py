@@ -106,6 +106,11 @@ def budget_tag(unit: str) -> str:
     return f"graft.budget_{unit}"
 
 
+def budget_unit(tags: dict[str, str]) -> str | None:
+    """The unit of the budget a job run's ``tags`` record (a key of ``CHARGES``), or None without one."""
+    return next((unit for unit in CHARGES if budget_tag(unit) in tags), None)
+
+
 def exchange_metric(source: str, receiver: str) -> str:
     """The job metric counting the prompts selected from role ``source`` to role ``receiver``."""
     return f"exchange/{source}_to_{receiver}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from rich.table import Table
 
-from graft_exp.config import BUDGET_SETTINGS
+from graft_exp.config import BUDGET_KEYS
 from graft_exp.intervals import paired_interval, rliable_measures
 from graft_exp.tracking.identity import NON_IDENTITY_KEYS
 
@@ -25,8 +25,6 @@ REFERENCE = "grpo_n8"
 RLIABLE_MIN_SEEDS = 3
 #: Params that name the compared things themselves, or say where a job ran: not a difference in settings.
 COMPARED = ("method", "seed", "delta", "n", "pair", "backend")
-#: Params that set an equal-compute budget: they differ by design between a reference and its budgeted jobs.
-BUDGETS = tuple(f"train.{name}" for names in BUDGET_SETTINGS.values() for name in names)
 
 
 @dataclass
@@ -82,7 +80,7 @@ def differing_settings(results: list, by: str = "method") -> list[str]:
     lines = []
     for key in keys:
         top = key.split(".")[0]
-        if top in NON_IDENTITY_KEYS or top == "method" or key in COMPARED or key in BUDGETS or key == by:
+        if top in NON_IDENTITY_KEYS or top == "method" or key in COMPARED or key in BUDGET_KEYS or key == by:
             continue
         values = sorted({job.params.get(key, "<unset>") for job in results})
         if len(values) > 1:

@@ -75,7 +75,7 @@ def job_result(client: MlflowClient, run, label: str) -> JobResult:
         models.append(ModelResult(tags.get("graft.role", "?"), tags.get("graft.model", "?"), child.info.status,
                                   scores, tags.get("graft.best_step"), metrics.get("cost/gpu_hours")))
     tags = run.data.tags
-    unit = next((u for u in schema.CHARGES if schema.budget_tag(u) in tags), None)
+    unit = schema.budget_unit(tags)
     return JobResult(label, run.info.status, run.data.metrics.get(schema.GPU_HOURS), models,
                      tags.get(schema.METHOD, ""), tags.get(schema.SEED, ""), tags.get(schema.PAIR, ""),
                      dict(run.data.params), float(tags[schema.budget_tag(unit)]) if unit else None,

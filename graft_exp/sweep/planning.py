@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from graft_exp.config import BUDGET_SETTINGS
+from graft_exp.config import BUDGET_KEYS, BUDGET_SETTINGS
 from graft_exp.launching.jobs import Composer, Job, estimate_gpu_hours
 
 
@@ -92,7 +92,7 @@ def _check_grid(path: Path, i: int, grid) -> None:
             if not (isinstance(value, dict) and value and all(_scalar(v) for v in value.values())):
                 raise SweepError(f"{where}.compute_of={value!r} must map keys to the reference job's values, "
                                  "e.g. compute_of: {method: grpo_n8}")
-            budgets = [f"train.{name}" for names in BUDGET_SETTINGS.values() for name in names if f"train.{name}" in grid]
+            budgets = [key for key in BUDGET_KEYS if key in grid]
             if budgets:
                 raise SweepError(f"{where} sets both compute_of and {budgets[0]}; keep one of them")
         elif key == "compute_unit":
