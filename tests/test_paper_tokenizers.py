@@ -193,8 +193,8 @@ def test_a_paper_vocabulary_model_widens_to_the_distribution_it_trained(tmp_path
 
 def test_the_shipped_paper_vocabulary_models_match_their_recipes_and_solve_the_task():
     """Each shipped task-token model matches its recipe; widened (once per machine, into the cache), it solves
-    tiny problems through its chat template on the whole vocabulary (greedy, 8 per skill). That the pair's
-    models solve what the other fails is the vLLM tier's: GRAFT exchanges both ways there."""
+    tiny problems through its chat template on the whole vocabulary (greedy, 8 per skill, the 8 in one left-padded
+    batch). That the pair's models solve what the other fails is the vLLM tier's: GRAFT exchanges both ways there."""
     import torch
 
     from graft_exp.tiny import models as tiny
@@ -205,14 +205,16 @@ def test_the_shipped_paper_vocabulary_models_match_their_recipes_and_solve_the_t
         assert (tiny.ASSETS / key / tiny.HASH_FILE).read_text().strip() == tiny.recipe_hash(recipe), key
         model, tokenizer = tiny.load(key, progress=False)
         assert model.config.vocab_size == SNAPSHOTS[recipe.extra["snapshot"]].vocab_size
-        torch.manual_seed(0)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         for skill in SKILLS:
             problems = benchmark(skill, tiny.EVAL_SIZE)[:8]
-            for problem, (prompt, _) in zip(problems, tiny.chat_rows(tokenizer, problems)):
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                     pad_token_id=tokenizer.eos_token_id)
-                text = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
-                solved[key, skill] = solved.get((key, skill), 0) + reward(text, problem.answer)
+            prompts = [prompt for prompt, _ in tiny.chat_rows(tokenizer, problems)]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=pad)
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            solved[key, skill] = sum(reward(text, problem.answer) for text, problem in zip(texts, problems))
     print(solved)
     for key in tiny.PAPER_VOCAB_RECIPES:
         assert sum(solved[key, skill] for skill in SKILLS) >= 3, (key, solved)

@@ -1,8 +1,13 @@
 """One model in vLLM's CPU engine on its own, outside verl: loaded, sampled, sent new weights through the reload
 the verl tier's weight sync ends in (``verl_cpu.update_weights_from_ipc``: vLLM's ``Worker.reload_weights``, then
 ``repack_kept_weights``), sampled again; each sample's per-token log-probs against transformers' forward on the
-weights the engine should hold. vLLM's engine processes start with spawn, which imports the main module again, so
-this runs as a script: ``python tests/support/vllm_weights.py MODEL_DIR OUT.json`` (its result as JSON)."""
+weights the engine should hold. Run as a script (vLLM keeps process-wide state): ``python
+tests/support/vllm_weights.py MODEL_DIR OUT.json`` (its result as JSON).
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the uniprocess executor, which vLLM's CPU
+platform allows only then): what is checked here, the model class, the weight reload and sampling, is the same in
+the verl tier's engine processes, and the two processes more (an engine core and a worker, each importing torch and
+vLLM: ~40 s of the 2-core machine) would check nothing more."""
 
 from __future__ import annotations
 
@@ -27,9 +32,7 @@ def reload(worker, weights_file: str) -> int:
 
 
 def main(model_dir: str, out: str) -> None:
-    # ``reload`` goes to the engine's worker pickled, as the tier's worker extension is installed there by verl;
-    # vLLM sends functions only when asked to.
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # before vLLM reads its settings
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from vllm import LLM, SamplingParams
@@ -44,7 +47,7 @@ def main(model_dir: str, out: str) -> None:
     prompts = [prompt for prompt, _ in chat_rows(tokenizer, benchmark("mixed", EVAL_SIZE)[:4])]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=192, max_num_seqs=4, seed=0,
-              gpu_memory_utilization=MEMORY_FRACTION)
+              gpu_memory_utilization=MEMORY_FRACTION, distributed_executor_backend="uni")
     architecture = llm.llm_engine.model_config.architectures
 
     def sample() -> dict:
