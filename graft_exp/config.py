@@ -21,7 +21,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from graft_exp import methods, scheduler
 from graft_exp.extras import MissingExtra, require
@@ -620,6 +620,55 @@ def validate(cfg: DictConfig) -> None:
     validate_lengths(cfg)
     validate_method(cfg)
     validate_backend(cfg)
+    validate_prompt_formats(cfg)
+
+
+#: verl settings that are one model's, which ``backend.verl_overrides`` (merged into every member's config) must not
+#: set for all of them -> the setting that chooses them per model.
+PER_MODEL_VERL_KEYS = {"actor_rollout_ref.model.custom_chat_template": "models.<key>.prompt_format=<name> "
+                                                                        "(docs/verl.md, Prompt formats)",
+                       "actor_rollout_ref.model.path": "backend.model_dir or the catalog's hf_id"}
+
+
+def verl_overrides(backend: DictConfig) -> DictConfig:
+    """``backend.verl_overrides`` as a config (dotted keys), or ConfigError in one line: a value that does not
+    parse, or a key that is one model's (``PER_MODEL_VERL_KEYS``)."""
+    import yaml
+
+    overrides = [str(o) for o in backend.get("verl_overrides") or []]
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        for per_model, instead in PER_MODEL_VERL_KEYS.items():
+            if key == per_model or key.startswith(per_model + "."):
+                raise ConfigError(f"backend.verl_overrides sets {per_model} for every model of the job; it is each "
+                                  f"model's own: use {instead}")
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except (ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"backend.verl_overrides={overrides} does not parse as dotted key=value settings "
+                          f"({first}); quote values with spaces or braces, one setting per item") from None
+
+
+def validate_prompt_formats(cfg: DictConfig) -> None:
+    """Each member's ``prompt_format`` names a format of the catalog; on ``backend=verl`` a hub model must name one
+    (the job never prompts in whatever template a snapshot happens to carry); ``backend.verl_overrides`` parse."""
+    from graft_exp.prompts import UnknownFormat, model_override, prompt_format
+
+    for role in roles(cfg.pair):
+        key = str(cfg.pair[role])
+        name = cfg.models[key].get("prompt_format")
+        if name is not None:
+            try:
+                prompt_format(name, key)
+            except UnknownFormat as err:
+                raise ConfigError(str(err)) from None
+        elif cfg.backend.name == "verl" and cfg.models[key].hf_id:
+            raise ConfigError(f"models.{key}.prompt_format is null, and backend=verl prompts a hub model in a pinned "
+                              f"format only: set {model_override(key, 'prompt_format', '<name>')} "
+                              "(conf/catalog/prompt_formats.yaml)")
+    if cfg.backend.name == "verl":
+        verl_overrides(cfg.backend)
 
 
 def available_devices(cfg: DictConfig) -> None:
@@ -644,33 +693,73 @@ def available_devices(cfg: DictConfig) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def prompting_problem(model_dir: str, key: str, template: str | None) -> str | None:
-    """Why the prepared model ``model_dir/key`` cannot be prompted and stopped (``prompts.check_prompting``), or
-    None; once per model and template in a process (every job of a sweep asks)."""
-    from transformers import AutoTokenizer
+def prepared_problem(folder: str, key: str, revision: str | None, format_name: str | None) -> str | None:
+    """Why the prepared snapshot ``folder`` of model ``key`` is not the catalog's (``snapshots.check_prepared``:
+    its revision, its prompt format against its real tokenizer), or None; once per model in a process (every job
+    of a sweep asks)."""
+    from graft_exp import snapshots
 
-    from graft_exp.prompts import check_prompting
-
-    local = Path(model_dir) / key
     try:
-        check_prompting(AutoTokenizer.from_pretrained(local), f"models.{key} ({local})", template)
-    except (OSError, ValueError) as err:
+        snapshots.check_prepared(Path(folder), key, {"revision": revision, "prompt_format": format_name})
+    except ValueError as err:
         return str(err)
     return None
 
 
+def trains_here(cfg: DictConfig) -> bool:
+    """Whether this process trains the job (in-process launch, or the job's own process inside a Slurm
+    allocation), as opposed to submitting it."""
+    return cfg.cluster.name == "local" or scheduler.slurm_job_id() is not None
+
+
 def prepared_models(cfg: DictConfig) -> None:
-    """backend=verl prompts each prepared model (``backend.model_dir/<key>``) through a chat template that ends
-    turns on a stop id (``prompts.check_prompting``); a model fetched from the hub is checked where it runs."""
+    """backend=verl trains each model from its prepared snapshot (``backend.model_dir/<key>``) at the catalog's
+    revision, prompted in its format (``snapshots.check_prepared``). A model not prepared is fetched from the hub
+    by verl at its newest commit: refused where the catalog pins a revision; where the job trains (``trains_here``),
+    its format is checked against the hub's tokenizer."""
     if cfg.backend.name != "verl":
         return
-    custom = OmegaConf.from_dotlist([str(o) for o in cfg.backend.verl_overrides])
-    template = OmegaConf.select(custom, "actor_rollout_ref.model.custom_chat_template", default=None)
     for role in roles(cfg.pair):
-        if (Path(cfg.backend.model_dir) / cfg.pair[role]).is_dir():
-            problem = prompting_problem(str(cfg.backend.model_dir), str(cfg.pair[role]), template)
+        key = str(cfg.pair[role])
+        entry = cfg.models[key]
+        folder = Path(cfg.backend.model_dir) / key
+        if folder.is_dir():
+            problem = prepared_problem(str(folder.resolve()), key, entry.get("revision"), entry.get("prompt_format"))
             if problem:
                 raise ConfigError(problem)
+        elif entry.get("revision"):
+            from graft_exp.prompts import model_override
+
+            raise ConfigError(f"models.{key}.revision={entry.revision} is pinned, but {folder} holds no prepared "
+                              f"snapshot (verl would fetch {entry.hf_id} at the hub's newest commit): run `python -m "
+                              f"graft_exp.prepare --models {key}` and point backend.model_dir (GRAFT_MODEL_DIR) at "
+                              f"its output, or set {model_override(key, 'revision', 'null')}")
+        elif entry.hf_id and trains_here(cfg):
+            from transformers import AutoTokenizer
+
+            from graft_exp import snapshots
+
+            try:
+                snapshots.check_tokenizer(AutoTokenizer.from_pretrained(entry.hf_id), key, entry.prompt_format,
+                                          entry.hf_id)
+            except (OSError, ValueError) as err:
+                raise ConfigError(str(err).splitlines()[0]) from None
+
+
+def node_packages(cfg: DictConfig) -> None:
+    """Where a ``backend=verl`` job trains on GPUs, the packages its engines load beyond the ``verl`` extra:
+    flash-attention 2, which verl's FSDP engine loads every model with (``HFModelConfig``'s default
+    ``attn_implementation``) and whose cross-entropy its log-prob pass takes (``resources.logprob_path``)."""
+    if cfg.backend.name != "verl" or not trains_here(cfg):
+        return
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("flash-attn is not installed where this job trains, and verl's FSDP engine loads every "
+                          "model with flash_attention_2 on GPUs: pip install flash-attn==2.8.3 --no-build-isolation "
+                          "in the job's environment (docs/verl.md, Install)")
 
 
 def validate_environment(cfg: DictConfig) -> None:
@@ -680,6 +769,7 @@ def validate_environment(cfg: DictConfig) -> None:
     available_devices(cfg)
     prepared_data(cfg)
     prepared_models(cfg)
+    node_packages(cfg)
     validate_checkpoint_root(str(cfg.checkpoint_root))
     try:
         scheduler.job_cores()   # the local backend's concurrent models read it

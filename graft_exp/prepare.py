@@ -4,7 +4,8 @@ Hugging Face Hub, into the directories the verl backend reads (``backend.data_di
 Data: the MATH training split (7,500 problems, all levels) and the five benchmarks (MATH500, AIME2024,
 AIME2025, AMC23, Minerva), each as verl Parquet: one row per problem with ``data_source``, ``prompt`` (one
 user message: the problem plus the paper's suffix), ``ability``, ``reward_model.ground_truth`` and
-``extra_info``. Models: a snapshot of every hub model of ``conf/catalog/models.yaml``.
+``extra_info``. Models: a snapshot of every hub model of ``conf/catalog/models.yaml`` at its pinned ``revision``,
+recorded beside it and checked against its prompt format (``graft_exp.snapshots``).
 
     python -m graft_exp.prepare                      # data and models into ./data and ./models
     python -m graft_exp.prepare --data-dir /scratch/graft/data --no-models
@@ -185,21 +186,31 @@ def load_records(source: Source) -> list[dict]:
     return records
 
 
-def fetch_model(hf_id: str, target: Path) -> Path:
-    """A full snapshot of a hub model in ``target`` (reused when already complete)."""
+def fetch_model(key: str, entry, target: Path) -> Path:
+    """A full snapshot of catalog model ``key`` (``entry``: its hub id and pinned ``revision``) in ``target``
+    (reused when already complete), recorded there (``snapshots.record``) and checked: at the revision, its real
+    tokenizer prompts and stops in the model's format (``snapshots.check_prepared``)."""
     from huggingface_hub import snapshot_download
 
+    from graft_exp import snapshots
+
     try:
-        snapshot_download(repo_id=hf_id, local_dir=str(target))
-    except Exception as err:  # connection, offline mode, gated repo
-        raise _hub_error(f"model {hf_id}", err) from err
+        snapshot_download(repo_id=entry.hf_id, revision=entry.revision, local_dir=str(target))
+    except Exception as err:  # connection, offline mode, gated repo, unknown revision
+        at = f" at revision {entry.revision}" if entry.revision else ""
+        raise _hub_error(f"model {entry.hf_id}{at}", err) from err
+    snapshots.record(target, entry.hf_id, entry.revision)
+    try:
+        snapshots.check_prepared(target, key, entry)
+    except ValueError as err:
+        raise PrepareError(str(err)) from None
     return target
 
 
-def hub_models() -> dict[str, str]:
-    """Model key -> hub id of every catalog model that lives on the hub."""
+def hub_models() -> dict:
+    """Model key -> catalog entry (``hf_id``, ``revision``, ``prompt_format``) of every model on the hub."""
     catalog = OmegaConf.load(CATALOG)
-    return {key: entry.hf_id for key, entry in catalog.items() if entry.hf_id}
+    return {key: entry for key, entry in catalog.items() if entry.hf_id}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in [m for m in args.models.split(",") if m]:
                 if key not in known:
                     raise PrepareError(f"unknown hub model {key!r}; choose from {', '.join(known)}")
-                print(f"{key}: {fetch_model(known[key], args.model_dir / key)}")
+                print(f"{key}: {fetch_model(key, known[key], args.model_dir / key)}")
     except PrepareError as err:
         print(f"prepare: {err}", file=sys.stderr)
         return 2

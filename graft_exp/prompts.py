@@ -1,13 +1,21 @@
-"""The paper's prompt format (App. B, Table 3), shared by every task and backend: the problem followed by
-the step-by-step / boxed-answer suffix. The reward (``graft_exp.reward``) reads the final ``\\boxed{}``
-this suffix asks for."""
+"""The paper's prompt (App. B, Table 3), shared by every task and backend: the problem followed by the
+step-by-step / boxed-answer suffix, as a single user message; the reward (``graft_exp.reward``) reads the final
+``\\boxed{}`` this suffix asks for. And how that message becomes a model's prompt text on ``backend=verl``: each
+catalog model names a prompt format (``conf/catalog/prompt_formats.yaml``, a pinned Jinja file of
+``graft_exp/formats/``), checked against the model's real tokenizer (``check_format``) wherever the model is
+loaded: at ``prepare``, at validation and on the node before Ray starts."""
 
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
 
@@ -15,6 +23,65 @@ SUFFIX = "Let's think step by step and output the final answer within \\boxed{}.
 def format_prompt(question: str) -> str:
     """The paper's prompt for one problem: ``question`` and the suffix, separated by a space."""
     return f"{question} {SUFFIX}"
+
+
+#: The prompt formats (their Jinja files) and their catalog.
+FORMATS_DIR = Path(__file__).resolve().parent / "formats"
+FORMATS_FILE = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "prompt_formats.yaml"
+#: ``end_of_turn`` of a format that closes a response with the tokenizer's end of text, not a marker of its own.
+EOS = "eos"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """One entry of ``conf/catalog/prompt_formats.yaml``: a template file and the control tokens it writes."""
+
+    name: str
+    template: str              # a file of FORMATS_DIR
+    markers: tuple[str, ...]   # each must be one special token of the model's tokenizer
+    end_of_turn: str           # a marker, or EOS
+    family: str                # what it is, in a few words (listings, docs)
+
+    @property
+    def text(self) -> str:
+        """The Jinja template, as verl's agent loop applies it (``custom_chat_template``)."""
+        return (FORMATS_DIR / self.template).read_text()
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits of the template's SHA-256: what identifies the format in a run key and on the run."""
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+def model_override(key: str, setting: str, value: str) -> str:
+    """The command-line override that sets catalog model ``key``'s ``setting``: ``models.<key>.<setting>=<value>``, or,
+    for a key with a dot (``qwen3-1.7b-base``, which Hydra's override grammar splits), the dict form that Hydra merges
+    into the catalog entry (a misspelt model or setting still fails at composition)."""
+    if "." in key:
+        return f"'models={{{key}: {{{setting}: {value}}}}}'"
+    return f"models.{key}.{setting}={value}"
+
+
+class UnknownFormat(ValueError):
+    """A prompt format name that is not in the catalog; the message lists the names."""
+
+
+@functools.lru_cache(maxsize=1)
+def formats() -> dict[str, PromptFormat]:
+    """Every prompt format of the catalog, by name."""
+    entries = yaml.safe_load(FORMATS_FILE.read_text())
+    return {name: PromptFormat(name, e["template"], tuple(e["markers"]), e["end_of_turn"], e["family"])
+            for name, e in entries.items()}
+
+
+def prompt_format(name: str, key: str | None = None) -> PromptFormat:
+    """The format ``name``; ``UnknownFormat`` naming catalog model ``key``'s setting and the choices otherwise."""
+    found = formats().get(str(name))
+    if found is None:
+        where = f"models.{key}.prompt_format" if key else "prompt_format"
+        raise UnknownFormat(f"{where}={name!r} is not a prompt format; choose one of {', '.join(formats())} "
+                            "(conf/catalog/prompt_formats.yaml)")
+    return found
 
 
 #: A chat template's reading of the clock (transformers' ``strftime_now`` global): SmolLM3's template writes
@@ -99,17 +166,52 @@ def _closing_special(tokenizer, after: str | None) -> int | None:
     return first if first is not None and first in special_ids(tokenizer) else None
 
 
-def check_prompting(tokenizer, model: str, template: str | None = None) -> None:
-    """A model a chat-template rollout can prompt and stop: it has a chat template (``template`` or its own:
-    verl's agent loop renders every prompt with one), and what the template closes a turn with, if anything, is a
-    special token (a stop id; anything else vLLM would write past). Raises ValueError naming the fix."""
-    template = template or getattr(tokenizer, "chat_template", None)
+def check_own_template(tokenizer, model: str) -> None:
+    """A model the project built itself, prompted through its tokenizer's own chat template (catalog
+    ``prompt_format: null``): it has one (verl's agent loop renders every prompt with one), and what it closes a
+    turn with, if anything, is a special token (a stop id; anything else vLLM would write past). Raises ValueError."""
+    template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError(f"{model} has no chat template, and verl's agent loop renders every prompt with one: give "
-                         "it one (backend.verl_overrides=[actor_rollout_ref.model.custom_chat_template=...]) or use "
-                         "a model that ships one")
+        raise ValueError(f"{model} has no chat template, and verl's agent loop renders every prompt with one: name "
+                         f"its prompt format (models.<key>.prompt_format=<{'|'.join(formats())}>)")
     after = after_the_turn(tokenizer, template) or ""
     if after.strip() and _closing_special(tokenizer, after) is None:
         raise ValueError(f"{model}'s chat template closes an assistant turn with {after.strip()[:40]!r}, which is no "
-                         "special token of its tokenizer: vLLM could not stop there. Use a template that ends turns "
-                         "with a special token (or nothing)")
+                         "special token of its tokenizer: vLLM could not stop there. Name a prompt format instead "
+                         "(models.<key>.prompt_format)")
+
+
+#: The problem of the single user message ``check_format`` renders (any text no template alters).
+_PROBE_QUESTION = "What is $1+1$?"
+
+
+def check_format(tokenizer, fmt: PromptFormat, key: str, where: str = "") -> int:
+    """``fmt`` fits ``tokenizer`` (the real one of ``model``): every marker is one special token of it, the format
+    renders the paper's single user message (the problem and the suffix, once, unaltered) and closes a turn with
+    its ``end_of_turn`` (``end_of_turn_id``: the id ``backends.verl.batch.stop_token_ids`` puts first among the stop
+    ids vLLM receives). Returns that id; raises ValueError naming the model (catalog ``key``, loaded from
+    ``where``), the format and the fix."""
+    model = f"{key} ({where})" if where else key
+    fix = f"choose another format: {model_override(key, 'prompt_format', '<' + '|'.join(formats()) + '>')}"
+    special = special_ids(tokenizer)
+    for marker in fmt.markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) != 1 or ids[0] not in special:
+            raise ValueError(f"prompt format {fmt.name}: {marker!r} is not one special token of {model}'s tokenizer "
+                             f"(it encodes as {ids[:6]}): {fix}")
+    message = format_prompt(_PROBE_QUESTION)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True, chat_template=fmt.text)
+    if rendered.count(message) != 1:
+        raise ValueError(f"prompt format {fmt.name} does not render {model}'s prompt as the single user message "
+                         f"with the paper's suffix (rendered: {rendered[:120]!r}): {fix}")
+    if fmt.end_of_turn == EOS:
+        expected = tokenizer.eos_token_id
+    else:
+        expected = tokenizer.convert_tokens_to_ids(fmt.end_of_turn)
+    found = end_of_turn_id(tokenizer, fmt.text)
+    if expected is None or found != expected:
+        raise ValueError(f"prompt format {fmt.name} closes a turn of {model} on {found} "
+                         f"({tokenizer.decode([found]) if found is not None else 'no special token'!s}), not on its "
+                         f"end of turn {fmt.end_of_turn} ({expected}): vLLM would not stop there; {fix}")
+    return expected

@@ -21,14 +21,21 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from mlflow.tracking import MlflowClient
 from rich.console import Console
 from rich.table import Table
 
 from graft_exp import schema
 from graft_exp.config import BUDGET_SETTINGS
-from graft_exp.tracking import PARENT_TAG, TrackingError, check_store, model_run_key, run_key, sqlite_file
+from graft_exp.tracking import (
+    PARENT_TAG,
+    TrackingError,
+    check_store,
+    logged_config,
+    model_run_key,
+    run_key,
+    sqlite_file,
+)
 
 
 @dataclass
@@ -41,13 +48,6 @@ class Rekeyed:
     before: str
     after: str | None    # None: the run cannot be re-keyed (its job logged no config)
     checkpoints: str = ""
-
-
-def logged_config(client: MlflowClient, run_id: str, into: Path) -> dict | None:
-    """The resolved config a job run logged (``config.yaml``), or None when it logged none."""
-    if not any(f.path == "config.yaml" for f in client.list_artifacts(run_id)):
-        return None
-    return yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", str(into))).read_text())
 
 
 def budget_reference(config: dict) -> tuple[str, str] | None:

@@ -51,6 +51,9 @@ MODEL_TAGS = {
     "graft.run_key_before": "as the job run's",
     "graft.stop_ids": "at the job's start: the token ids the model's rollouts stop on, in order (end of turn first)",
     "graft.rendered_prompt": "at the job's start: the first training problem as the model receives it (5000 chars at most)",
+    "graft.prompt_format": "at creation, for a model with a catalog prompt format: <name>@<16 hex of its template's "
+                           "SHA-256> (the digest its run key holds)",
+    "graft.revision": "at creation, for a hub model whose catalog pins a snapshot revision: that revision",
 }
 #: Metrics of a job run, step = training step.
 JOB_METRICS = {
@@ -95,6 +98,7 @@ BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
 RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
+PROMPT_FORMAT, REVISION = "graft.prompt_format", "graft.revision"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, BUDGET_FLOPS, LAST_STEP = "graft.budget_gpu_hours", "graft.budget_flops", "graft.last_step"

@@ -28,16 +28,9 @@ def test_every_design_method_has_a_config():
 def prepared_data_dir(tmp_path_factory) -> str:
     """Where ``python -m graft_exp.prepare`` would have written MATH and the benchmarks: one row each, in
     prepare's own row format (validation reads the files' schema)."""
-    from graft_exp.prepare import SOURCES, verl_rows
+    from support.paper_standins import prepare_data
 
-    root = tmp_path_factory.mktemp("data")
-    for key in ("math", "math500", "aime2024", "aime2025", "amc23", "minerva"):
-        path = root / key / f"{SOURCES[key].output}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        source = SOURCES[key]
-        gold = "The sum is $\\boxed{2}$." if source.gold == "boxed" else "2"
-        verl_rows([{source.question: "What is $1+1$?", source.answer: gold}], source).to_parquet(path)
-    return str(root)
+    return str(prepare_data(tmp_path_factory.mktemp("data")))
 
 
 def test_prepared_files_that_are_not_prepare_output_are_refused(compose_cfg, prepared_data_dir, tmp_path):
@@ -168,27 +161,21 @@ def test_server_tracking_without_uri_says_what_to_set(compose_cfg, monkeypatch):
 
 
 def test_a_prepared_verl_model_that_cannot_be_prompted_is_refused_before_the_job(compose_cfg, tmp_path):
-    """verl's agent loop renders every prompt with the model's chat template: a prepared snapshot without one (as
-    SmolLM3-3B-Base and OctoThinker-3B-Hybrid-Base ship) is refused at validation, naming the model and the fix;
-    with a template, or one given through verl_overrides, it passes."""
+    """verl's agent loop renders every prompt with a chat template: a model the project built without one, in its
+    tokenizer's own template (``prompt_format: null``), is refused at validation naming the fix; named a prompt format
+    from the command line, it passes."""
     import shutil
 
-    from transformers import AutoTokenizer
-
-    from graft_exp.config import prepared_models, prompting_problem
+    from graft_exp.config import prepared_models, prepared_problem
     from graft_exp.tiny.models import ASSETS
 
     for key in ("tiny-char-llama", "tiny-bpe-qwen3"):
         shutil.copytree(ASSETS / key, tmp_path / key)
     cfg = compose_cfg("backend=verl", "pair=tiny_verl", f"backend.model_dir={tmp_path}")
-    with pytest.raises(ConfigError, match=r"models.tiny-char-llama \(.*\) has no chat template, and verl's agent loop"):
+    with pytest.raises(ConfigError, match=r"models.tiny-char-llama \(.*\) has no chat template, and verl's agent loop"
+                                          r".*models.<key>.prompt_format="):
         prepared_models(cfg)
-    given = compose_cfg("backend=verl", "pair=tiny_verl", f"backend.model_dir={tmp_path}",
-                        """backend.verl_overrides=["actor_rollout_ref.model.custom_chat_template='{{ messages[0].content }}'"]""")
-    prepared_models(given)
-    prompting_problem.cache_clear()
-    for key in ("tiny-char-llama", "tiny-bpe-qwen3"):
-        tokenizer = AutoTokenizer.from_pretrained(tmp_path / key)
-        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-        tokenizer.save_pretrained(tmp_path / key)
-    prepared_models(cfg)
+    prepared_models(compose_cfg("backend=verl", "pair=tiny_verl", f"backend.model_dir={tmp_path}",
+                                "models.tiny-char-llama.prompt_format=question_answer",
+                                "models.tiny-bpe-qwen3.prompt_format=question_answer"))
+    prepared_problem.cache_clear()

@@ -13,10 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from transformers import GenerationConfig
 
 from graft_exp import prompts
 from graft_exp.cache import cache_dir
+from graft_exp.config import MODELS_FILE
 from graft_exp.reward import reward
 from graft_exp.tiny.paper_vocab import SNAPSHOTS, TEMPLATES, build, why_unavailable
 
@@ -32,7 +34,7 @@ def tokenizers():
 
 
 def with_template(tokenizer, name: str):
-    """A copy of ``tokenizer`` with the chat template ``name`` of graft_exp/tiny/templates."""
+    """A copy of ``tokenizer`` with the chat template ``name`` of graft_exp/formats."""
     clone = copy.deepcopy(tokenizer)
     clone.chat_template = (TEMPLATES / name).read_text()
     return clone
@@ -41,7 +43,7 @@ def with_template(tokenizer, name: str):
 def stop_table() -> list[dict[str, str]]:
     """docs/verl.md's table of the paper models' stop tokens, a dict per row."""
     text = (ROOT / "docs" / "verl.md").read_text()
-    section = text[text.index("**Stop tokens of the paper models.**"):].splitlines()
+    section = text[text.index("**Special tokens of the paper models.**"):].splitlines()
     start = next(i for i, line in enumerate(section) if line.startswith("|"))
     end = next(i for i in range(start, len(section)) if not section[i].startswith("|"))
     cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))] for line in section[start:end]]
@@ -57,18 +59,19 @@ def test_the_docs_stop_token_table_is_what_the_real_tokenizers_give(tokenizers):
 
     rows = stop_table()
     assert len(rows) == 4, rows
+    catalog = OmegaConf.load(MODELS_FILE)
     for row in rows:
         key = row["model"].split(" + ")[0]
-        tokenizer = tokenizers[key]
-        if "+" in row["model"]:   # the Base vocabulary prompted with Llama 3.2 Instruct's template
-            tokenizer = with_template(tokenizer, "llama-3.2-instruct.jinja")
+        name = row["prompt format"].strip("`")
+        if "+" not in row["model"]:   # the model's default format
+            assert catalog[key].prompt_format == name, row
+        tokenizer = with_template(tokenizers[key], prompts.prompt_format(name).template)
         config = GenerationConfig(eos_token_id=SNAPSHOTS[key].generation_eos)
         eot = prompts.end_of_turn_id(tokenizer)
         assert (ids(row["end of turn"]) or [None]) == [eot], row
         assert vb.stop_token_ids(tokenizer, config) == ids(row["stop ids"]), row
         assert [tokenizer.eos_token_id, SNAPSHOTS[key].generation_eos] == ids(row["eos (tokenizer / generation config)"])
         assert [SNAPSHOTS[key].vocab_size, len(tokenizer)] == ids(row["vocab (config / tokenizer)"]), row
-        assert (row["chat template"] == "none") == (tokenizer.chat_template is None), row
 
 
 def test_llama3_end_of_turn_is_found_in_the_added_token_table(tokenizers):
@@ -83,14 +86,17 @@ def test_llama3_end_of_turn_is_found_in_the_added_token_table(tokenizers):
     assert vb.stop_token_ids(llama, GenerationConfig(eos_token_id=128001)) == [128009, 128001]
 
 
-def test_a_model_that_cannot_be_prompted_or_stopped_is_refused(tokenizers):
+def test_a_tokenizers_own_template_that_cannot_prompt_or_stop_is_refused(tokenizers):
+    """A model prompted in its tokenizer's own template (catalog ``prompt_format: null``, only models the project
+    builds): none at all, or one that closes a turn on plain text, is refused; Qwen3's own passes."""
     octo = tokenizers["octothinker-3b-hybrid-base"]
     with pytest.raises(ValueError, match="has no chat template, and verl's agent loop renders every prompt"):
-        prompts.check_prompting(octo, "models.octothinker-3b-hybrid-base")
-    prompts.check_prompting(tokenizers["qwen3-1.7b-base"], "models.qwen3-1.7b-base")
-    plain_end = "{% for m in messages %}{{ m['content'] }}END{% endfor %}"   # a turn closed by plain text
+        prompts.check_own_template(octo, "models.octothinker-3b-hybrid-base")
+    prompts.check_own_template(tokenizers["qwen3-1.7b-base"], "models.qwen3-1.7b-base")
+    plain_end = copy.deepcopy(octo)
+    plain_end.chat_template = "{% for m in messages %}{{ m['content'] }}END{% endfor %}"   # a turn closed by text
     with pytest.raises(ValueError, match="closes an assistant turn with 'END', which is no special token"):
-        prompts.check_prompting(octo, "models.octothinker-3b-hybrid-base", plain_end)
+        prompts.check_own_template(plain_end, "models.octothinker-3b-hybrid-base")
 
 
 def test_a_template_that_reads_the_clock_renders_the_jobs_date_on_any_day(tokenizers, monkeypatch, tmp_path):

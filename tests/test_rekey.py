@@ -57,9 +57,19 @@ def test_an_old_store_is_rekeyed_then_skipped_resumed_and_replayed(legacy, compo
     before = {m: runs[0] for m, runs in job_runs(client).items()}
     assert set(before) == {"grpo_n8", "graft", "graft/budget"}
     assert before["graft"].info.status == "RUNNING"
-    # What an upgrade without re-keying meets: today's keys find none of the old runs.
+    # What an upgrade without re-keying meets: today's keys find none of the old runs, and a launch over the store
+    # says so in one line naming the command, before anything trains.
     for cfg in (composed("method=grpo_n8"), composed("method=graft")):
         assert tracking.find_run(client, tracking.run_key(cfg)) is None
+    runs_before = len(client.search_runs([before["graft"].info.experiment_id]))
+    refused = subprocess.run([sys.executable, "-m", "graft_exp", "-m", "method=grpo_n8,graft", f"tracking.uri={uri}",
+                              f"checkpoint_root={store / 'ckpt'}", f"hydra.sweep.dir={store / 'multirun'}", *TINY],
+                             cwd=store, capture_output=True, text=True, timeout=300, check=False)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in said, said[-3000:]
+    assert f"holds this job's run {before['grpo_n8'].info.run_id} under key" in said, said[-3000:]
+    assert f"python -m graft_exp.rekey --tracking-uri {uri}" in said and "nothing was trained" in said
+    assert len(client.search_runs([before["graft"].info.experiment_id])) == runs_before
 
     dry = rekey.rekey_store(uri, dry_run=True)
     assert {r.info.run_id: r.data.tags[schema.RUN_KEY] for r in client.search_runs([before["graft"].info.experiment_id])} \

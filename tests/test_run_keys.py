@@ -26,15 +26,15 @@ JOB_KEYS = {
     "group=tiny3": "32af6ac5b157a213",
     "method=grpo_n32 train.max_gpu_hours=0.05": "c421105acc414e77",
     "method=graft train.gpu_hours_of=ac2eaaafd74f01f9": "132175d03e677104",
-    "pair=pair1 backend=verl": "c505c6b975819bc2",
-    "pair=pair2 backend=verl cluster=slurm method=sgt": "d9d4e88c8da974fd",
-    "pair=pair3 backend=verl method=grpo_ds seed=2": "6ef2da104a397dfc",
-    "group=trio backend=verl": "10487390a37625c6",
+    "pair=pair1 backend=verl": "863455053cdf9643",
+    "pair=pair2 backend=verl cluster=slurm method=sgt": "d7fb741d66b9c5d9",
+    "pair=pair3 backend=verl method=grpo_ds seed=2": "ab538f7f79b74c78",
+    "group=trio backend=verl": "16b4ae3443fdd57c",
     "pair=tiny_verl backend=verl": "078980042573dfd9",
 }
 MODEL_KEYS = {
-    "pair=pair1 backend=verl method=grpo_n8": "a88af7566d3ccb48",   # Qwen3's GRPO baseline, shared by the pairs
-    "pair=pair2 backend=verl method=grpo_n8": "a88af7566d3ccb48",
+    "pair=pair1 backend=verl method=grpo_n8": "691e3042fff99f87",   # Qwen3's GRPO baseline, shared by the pairs
+    "pair=pair2 backend=verl method=grpo_n8": "691e3042fff99f87",
     "method=graft": "8dd5f285836eb11a",
 }
 

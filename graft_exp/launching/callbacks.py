@@ -371,6 +371,8 @@ class LaunchCallback(Callback):
         stores = {(job.cfg.tracking.uri, tracking.experiment_name(job.cfg)) for job in jobs}
         try:
             experiments = {store: tracking.ensure_store(*store) for store in sorted(stores)}
+            for job in jobs:   # a store of an earlier version: re-key it before any job trains again beside it
+                tracking.refuse_other_version_keys(MlflowClient(job.cfg.tracking.uri), job.cfg)
         except tracking.TrackingError as err:
             fail_before_launch(f"nothing launched: {err}")
         uris = {uri for uri, _ in stores}

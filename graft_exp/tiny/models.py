@@ -131,12 +131,12 @@ PAPER_VOCAB_RECIPES: dict[str, TinyRecipe] = {
     "tiny-smollm3-vocab": TinyRecipe(
         key="tiny-smollm3-vocab", architecture="smollm3", tokenizer="paper",
         skill_mix={"sub": 0.4, "mixed": 0.4, "add": 0.1, "mul": 0.1}, seed=6, steps=800,
-        extra={"snapshot": "smollm3-3b-base", "template": "llama-3.2-instruct.jinja"},
+        extra={"snapshot": "smollm3-3b-base", "template": "chatml.jinja"},
     ),
     "tiny-llama3-vocab": TinyRecipe(
         key="tiny-llama3-vocab", architecture="llama", tokenizer="paper",
-        skill_mix={"mixed": 0.7, "mul": 0.2, "add": 0.05, "sub": 0.05}, seed=7,
-        extra={"snapshot": "octothinker-3b-hybrid-base", "template": "llama-3.2-instruct.jinja"},
+        skill_mix={"mixed": 0.7, "mul": 0.2, "add": 0.05, "sub": 0.05}, seed=7, steps=800,
+        extra={"snapshot": "octothinker-3b-hybrid-base", "template": "llama3.jinja"},
     ),
 }
 #: The day a paper-vocabulary model's warm-start prompts show where its template writes the date.

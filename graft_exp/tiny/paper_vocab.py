@@ -9,7 +9,9 @@ models", says what each fact rests on). The tiny models of the paper's architect
 - SmolLM3-3B-Base and OctoThinker-3B-Hybrid-Base: Llama 3's BPE ranks from ``llama-models`` 0.3.0
   (``llama_models/llama3/tokenizer.model``, 128,000 ranks) and its split pattern (digits in groups of up to three),
   the 256 added tokens 128000-128255 of Llama 3.1/3.2's ``tokenizer_config.json``, all special in
-  ``added_tokens_decoder`` and none in ``additional_special_tokens``; neither Base snapshot ships a chat template.
+  ``added_tokens_decoder`` and none in ``additional_special_tokens``; SmolLM3's with its own names for eight reserved
+  entries (``SMOLLM3_RENAMED``: ``<|im_start|>`` 128011, ``<|im_end|>`` 128012, ...); neither Base snapshot ships a
+  chat template.
 - ``llama3_instruct``: the same vocabulary with Llama 3.2 Instruct's chat template (its end of turn
   ``<|eot_id|>``, its date read from the clock), the template a Llama-3-style tokenizer meets in the wild.
 
@@ -23,8 +25,10 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: The chat templates (templates/README.md says where each comes from).
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+from graft_exp.prompts import FORMATS_DIR
+
+#: The chat templates: the prompt formats' files (graft_exp/formats/README.md says where each comes from).
+TEMPLATES = FORMATS_DIR
 
 QWEN_RANKS = ("dashscope", "resources/qwen.tiktoken",
               "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186")
@@ -52,10 +56,21 @@ _LLAMA3_NAMED = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_ri
                  10: "<|python_tag|>"}
 
 
-def _llama3_added() -> list[tuple[str, bool]]:
+#: SmolLM3's names for reserved entries of Llama 3's table (docs/verl.md, "Special tokens of the paper models", says
+#: what each rests on): the ChatML turn markers its family is prompted with, its reasoning and tool markers.
+SMOLLM3_RENAMED = {2: "<think>", 3: "</think>", 11: "<|im_start|>", 12: "<|im_end|>", 13: "<tool_response>",
+                   14: "</tool_response>", 15: "<tool_call>", 16: "</tool_call>"}
+
+
+def _llama3_added(renamed: dict[int, str] | None = None) -> list[tuple[str, bool]]:
+    """Llama 3.1/3.2's 256 added tokens (all special), with ``renamed`` entries (offset from 128000) in place of
+    their reserved names; the other reserved names keep Llama's numbering."""
     reserved = iter(range(256))
-    return [(_LLAMA3_NAMED[i] if i in _LLAMA3_NAMED else f"<|reserved_special_token_{next(reserved)}|>", True)
-            for i in range(256)]
+    table = []
+    for i in range(256):
+        name = _LLAMA3_NAMED.get(i) or f"<|reserved_special_token_{next(reserved)}|>"
+        table.append(((renamed or {}).get(i, name), True))
+    return table
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,7 @@ class Snapshot:
 SNAPSHOTS = {
     "qwen3-1.7b-base": Snapshot("qwen3-1.7b-base", QWEN_RANKS, QWEN_PATTERN, QWEN3_ADDED, None, "<|endoftext|>",
                                 "<|endoftext|>", 151643, 151936, "qwen3-1.7b-base.jinja", QWEN3_ADDITIONAL_SPECIAL),
-    "smollm3-3b-base": Snapshot("smollm3-3b-base", LLAMA3_RANKS, LLAMA3_PATTERN, _llama3_added(),
+    "smollm3-3b-base": Snapshot("smollm3-3b-base", LLAMA3_RANKS, LLAMA3_PATTERN, _llama3_added(SMOLLM3_RENAMED),
                                 "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", 128001, 128256),
     "octothinker-3b-hybrid-base": Snapshot("octothinker-3b-hybrid-base", LLAMA3_RANKS, LLAMA3_PATTERN,
                                            _llama3_added(), "<|begin_of_text|>", "<|end_of_text|>", None, 128001,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import scheduler
+from graft_exp import prompts, scheduler
 from graft_exp.config import MEMBER_KEYS, key_neutral_settings
 
 # Config sections that say where or how a job runs, not what it computes.
@@ -21,6 +21,21 @@ NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study",
 #: The catalog field (conf/catalog/models.yaml) that says which weights a model starts from; the others describe
 #: it (display name, sizes, positions) for tables, checks and plans.
 CATALOG_IDENTITY_FIELDS = ("hf_id",)
+
+
+def catalog_identity(entry: dict) -> dict:
+    """What one catalog model contributes to a run key: its weights (``hf_id``), and for a hub model the snapshot's
+    pinned ``revision`` (where set) and its prompt format's content (``prompts.PromptFormat.digest``), which the
+    project chose and a researcher may change. A model the project builds itself keys by ``hf_id`` alone (null):
+    its tokenizer and template are part of its content-hashed build, and runs keyed before formats existed keep
+    their keys."""
+    ident = {f: entry.get(f) for f in CATALOG_IDENTITY_FIELDS}
+    if entry.get("hf_id"):
+        if entry.get("revision"):
+            ident["revision"] = entry["revision"]
+        if entry.get("prompt_format"):
+            ident["prompt_format"] = prompts.prompt_format(entry["prompt_format"]).digest
+    return ident
 
 
 def stable_hash(obj) -> str:
@@ -51,7 +66,7 @@ def identity(cfg: DictConfig | dict, models: list[str] | None = None) -> dict:
             del node[name]
     members = models if models is not None else [resolved["pair"][r] for r in MEMBER_KEYS if resolved["pair"].get(r)]
     catalog = resolved.get("models") or {}
-    ident["models"] = {key: {f: catalog.get(key, {}).get(f) for f in CATALOG_IDENTITY_FIELDS} for key in members}
+    ident["models"] = {key: catalog_identity(catalog.get(key, {})) for key in members}
     return ident
 
 

@@ -4,15 +4,17 @@ exactly-once metric logging (``TrackedRun``), and the stored-log lookup of store
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import environment, methods, scheduler, schema
+from graft_exp import environment, methods, prompts, scheduler, schema
 from graft_exp.config import BUDGET_SETTINGS, budget_setting, peers, roles
 from graft_exp.tracking.datasets import log_dataset_inputs
 from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags, stable_hash
@@ -90,6 +92,49 @@ def find_run(client: MlflowClient, key: str):
     runs = client.search_runs(exps, f"tags.`graft.run_key` = '{key}'", max_results=1,
                               order_by=["attributes.start_time DESC"])
     return runs[0] if runs else None
+
+
+def logged_config(client: MlflowClient, run_id: str, into: Path) -> dict | None:
+    """The resolved config a job run logged (``config.yaml``), or None when it logged none."""
+    if not any(f.path == "config.yaml" for f in client.list_artifacts(run_id)):
+        return None
+    return yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", str(into))).read_text())
+
+
+def _key_of(logged: dict | None) -> str | None:
+    """The key this version computes from a logged config, or None (none logged, or a shape it does not read)."""
+    try:
+        return run_key(logged) if logged else None
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return None
+
+
+class KeyedByAnotherVersion(TrackingError):
+    """The store holds this job's run under the key an earlier version computed (``python -m graft_exp.rekey``)."""
+
+
+def refuse_other_version_keys(client: MlflowClient, cfg: DictConfig) -> None:
+    """Raise ``KeyedByAnotherVersion`` when no run holds this job's key but a job run of the same study, pair,
+    method and seed does under another key that its own logged config gives this version's key: the run of this
+    very job, keyed by an earlier rule. Without this, the job would silently train it again beside the old run."""
+    key = run_key(cfg)
+    if cfg.rerun or find_run(client, key) is not None:
+        return
+    experiment = client.get_experiment_by_name(experiment_name(cfg))
+    if experiment is None:
+        return
+    same = " and ".join(f"tags.`{tag}` = '{value}'" for tag, value in (
+        (schema.METHOD, cfg.method.name), (schema.PAIR, cfg.pair.name), (schema.SEED, str(cfg.seed))))
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in client.search_runs([experiment.experiment_id], same, max_results=50):
+            if PARENT_TAG in run.data.tags or run.data.tags.get(schema.RUN_KEY) == key:
+                continue
+            if _key_of(logged_config(client, run.info.run_id, Path(tmp) / run.info.run_id)) == key:
+                raise KeyedByAnotherVersion(
+                    f"the store {cfg.tracking.uri} holds this job's run {run.info.run_id} under key "
+                    f"{run.data.tags.get(schema.RUN_KEY)}, which this version computes as {key}: run `python -m "
+                    f"graft_exp.rekey --tracking-uri {cfg.tracking.uri}` once (README, Upgrading), then launch again; "
+                    "nothing was trained")
 
 
 class AlreadyRunning(TrackingError):
@@ -287,6 +332,7 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     client = MlflowClient(uri)
     key = run_key(cfg)
     _refuse_live_duplicate(client, key)
+    refuse_other_version_keys(client, cfg)
     check_stored_logs(cfg, client)
     budget = job_budget(cfg, client)
     tags = {**common_tags(cfg), schema.GIT_SHA: git_sha(), **source_tags("python -m graft_exp"),
@@ -303,6 +349,18 @@ def open_job(cfg: DictConfig) -> TrackedRun | None:
     return job
 
 
+def snapshot_tags(entry) -> dict[str, str]:
+    """What a model run records of its catalog entry's snapshot and prompting: the prompt format as
+    ``<name>@<digest>`` (the digest is what its run key holds) and the pinned revision, each where set."""
+    tags = {}
+    if entry.get("prompt_format"):
+        fmt = prompts.prompt_format(entry.prompt_format)
+        tags[schema.PROMPT_FORMAT] = f"{fmt.name}@{fmt.digest}"
+    if entry.get("revision"):
+        tags[schema.REVISION] = str(entry.revision)
+    return tags
+
+
 def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | None:
     """The model run of ``role`` under ``job`` (new or resumed), or None when this job must not
     train that model: its run is FINISHED already (e.g. a GRPO baseline trained for another pair),
@@ -311,7 +369,7 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
         **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
         schema.PEER: peer_key(cfg, role) if cfg.method.co_train else "none",
         schema.ROLE: role, schema.N: str(cfg.method.n), schema.DATA_ORDER: data_order(cfg),
-        **source_tags("python -m graft_exp"),
+        **snapshot_tags(cfg.models[cfg.pair[role]]), **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),
     }
     key = model_run_key(cfg, role)

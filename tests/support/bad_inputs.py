@@ -150,6 +150,16 @@ CASES = [
     Case("a counted budget whose reference recorded GPU-hours only", ("train.flops_of=old-job",),
          "train.flops_of=old-job: that job recorded no cost/flops (it ran before that charge existed; it records "
          "cost/gpu_hours): budget with train.gpu_hours_of instead"),
+    Case("one chat template for every model of a pair",
+         ("backend=verl", "pair=pair1", "backend.verl_overrides=['actor_rollout_ref.model.custom_chat_template=x']"),
+         "backend.verl_overrides sets actor_rollout_ref.model.custom_chat_template for every model of the job; it is "
+         "each model's own: use models.<key>.prompt_format=<name>"),
+    Case("a verl override that does not parse (Jinja on the command line)",
+         ("backend=verl", "pair=pair1", "backend.verl_overrides=['actor_rollout_ref.rollout.x={%- if x %}']"),
+         "does not parse as dotted key=value settings"),
+    Case("a prompt format that does not exist", ("backend=verl", "pair=pair1",
+                                                   "models.smollm3-3b-base.prompt_format=chatlm"),
+         "models.smollm3-3b-base.prompt_format='chatlm' is not a prompt format; choose one of chatml, qwen3, llama3"),
 ]
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import verl
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp.config import minibatch_prompts
+from graft_exp.config import minibatch_prompts, verl_overrides
 from graft_exp.methods import resolve
+from graft_exp.prompts import prompt_format
 from graft_exp.resources import LATEST_CONTENTS
 
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
@@ -264,8 +265,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
             "balance_batch": False,
         },
     }
-    config = OmegaConf.merge(base, OmegaConf.create(ours))
-    overrides = [str(o) for o in backend.verl_overrides]
-    if overrides:
-        config = OmegaConf.merge(config, OmegaConf.from_dotlist(overrides))
-    return config
+    fmt = cfg.models[cfg.pair[role]].get("prompt_format")
+    if fmt is not None:   # this model's pinned format, whatever template its snapshot carries (prompts.check_format)
+        ours["actor_rollout_ref"]["model"]["custom_chat_template"] = prompt_format(fmt).text
+    return OmegaConf.merge(base, OmegaConf.create(ours), verl_overrides(backend))
