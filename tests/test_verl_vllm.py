@@ -398,10 +398,10 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     for role, name in (("A", "qwen3"), ("B", "chatml")):
         assert runs[role].data.tags[schema.PROMPT_FORMAT] == f"{name}@{prompts.prompt_format(name).digest}"
         served = {engines.live[role].tokenizer.decode(r["prompt"]) for r in requests[role]}
-        assert all(t.startswith("<|im_start|>user\n") and t.endswith(f"{prompts.SUFFIX}<|im_end|>\n<|im_start|>"
-                                                                       "assistant\n") and t.count("<|im_start|>") == 2
-                   for t in served), served
-        assert runs[role].data.tags[schema.RENDERED_PROMPT] in served
+        recorded = runs[role].data.tags[schema.RENDERED_PROMPT]
+        for text in (*served, recorded):   # ChatML, one user turn: the problem and the paper's suffix
+            assert text.startswith("<|im_start|>user\n") and text.count("<|im_start|>") == 2, text
+            assert text.endswith(f"{prompts.SUFFIX}<|im_end|>\n<|im_start|>assistant\n"), text
     print(f"B's prompt as vLLM received it: {min(served)!r}")
 
     # GRAFT exchanged on some step, across the two tokenizers, and the receiver trained on what it took

@@ -112,14 +112,15 @@ RECIPES: dict[str, TinyRecipe] = {
 
 
 #: Tiny models of the paper's architectures over the paper models' real vocabularies (``graft_exp.tiny.paper_vocab``,
-#: the ``dev`` extra's packages): small in everything but the vocabulary, warm-started on the tiny task through
-#: their chat templates. What is shipped is each model over the task's tokens (a few MB,
+#: the ``dev`` extra's packages): small in everything but the vocabulary, warm-started on the tiny task in the prompt
+#: format chosen for the paper model each stands for (``extra["template"]``, a file of ``graft_exp/formats/``, where the
+#: Base snapshot ships none). What is shipped is each model over the task's tokens (a few MB,
 #: ``warm_start_over_task_tokens``); ``locate`` widens it to the whole vocabulary once into the cache (a 128k-152k-row
 #: embedding is most of each, 66-78 MB). verl's tier with vLLM trains the first two as its pair
-#: (``pair=tiny_paper_vocab``): Qwen's vocabulary and chat template against Llama 3's with Llama 3.2 Instruct's
-#: template (its end of turn special only in the added-token table, its date read from the clock), a native vLLM
-#: model against one vLLM serves through its Transformers backend (SmolLM3). The third, OctoThinker's Llama, is
-#: loaded, sent weights and sampled once. ``extra["template"]`` gives a template where the Base snapshot ships none.
+#: (``pair=tiny_paper_vocab``): Qwen's vocabulary in Qwen3's format against Llama 3's with SmolLM3's turn markers in
+#: ChatML (its end of turn ``<|im_end|>`` special only in the added-token table), a native vLLM model against one vLLM
+#: serves through its Transformers backend (SmolLM3). The third, OctoThinker's Llama in the Llama 3 header format, is
+#: loaded, sent weights and sampled once.
 PAPER_VOCAB_RECIPES: dict[str, TinyRecipe] = {
     "tiny-qwen3-vocab": TinyRecipe(
         key="tiny-qwen3-vocab", architecture="qwen3", tokenizer="paper",
