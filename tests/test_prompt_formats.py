@@ -128,10 +128,13 @@ def test_a_snapshot_prepared_at_another_revision_is_refused_unless_chosen(compos
     prepared_problem.cache_clear()
 
 
-def test_prepare_downloads_the_pinned_revision_records_it_and_checks_the_format(tmp_path, monkeypatch, capsys):
-    """The hub is the one thing replaced: a stand-in ``snapshot_download`` writes the real tokenizer of the model
-    into ``local_dir`` and records what it was asked for; prepare passes the catalog's revision, records it beside
+def test_prepare_downloads_the_pinned_revision_records_it_and_checks_the_format(prepared, tmp_path, monkeypatch,
+                                                                             capsys):
+    """The hub is the one thing replaced: a stand-in ``snapshot_download`` writes the real tokenizer files of the
+    model (the prepared stand-ins') into ``local_dir`` and records what it was asked for; prepare passes the catalog's revision, records it beside
     the snapshot, and refuses a snapshot whose tokenizer does not fit the model's format."""
+    import shutil
+
     import huggingface_hub
 
     from graft_exp import prepare
@@ -141,7 +144,7 @@ def test_prepare_downloads_the_pinned_revision_records_it_and_checks_the_format(
     def hub(repo_id, revision=None, local_dir=None, **_):
         asked.append((repo_id, revision))
         key = next(k for k, e in prepare.hub_models().items() if e.hf_id == repo_id)
-        build(key, cache_dir("paper_tokenizers")).save_pretrained(local_dir)
+        shutil.copytree(prepared / "models" / key, local_dir, ignore=shutil.ignore_patterns(snapshots.RECORD))
         return local_dir
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
@@ -153,7 +156,7 @@ def test_prepare_downloads_the_pinned_revision_records_it_and_checks_the_format(
     # a snapshot whose tokenizer lacks the format's markers (Qwen's vocabulary where Llama 3's is expected)
     monkeypatch.setattr(prepare, "hub_models", lambda: {"octothinker-3b-hybrid-base": OmegaConf.create(
         {"hf_id": "Qwen/Qwen3-1.7B-Base", "revision": None, "prompt_format": "llama3"})})
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, local_dir=None, **_: build(
-        "qwen3-1.7b-base", cache_dir("paper_tokenizers")).save_pretrained(local_dir))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, local_dir=None, **_: shutil.copytree(
+        prepared / "models" / "qwen3-1.7b-base", local_dir, ignore=shutil.ignore_patterns(snapshots.RECORD)))
     assert prepare.main(["--sets", "", "--models", "octothinker-3b-hybrid-base", "--model-dir", str(tmp_path / "x")]) == 2
     assert "prompt format llama3: '<|begin_of_text|>' is not one special token" in capsys.readouterr().err
