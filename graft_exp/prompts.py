@@ -40,7 +40,6 @@ class PromptFormat:
     template: str              # a file of FORMATS_DIR
     markers: tuple[str, ...]   # each must be one special token of the model's tokenizer
     end_of_turn: str           # a marker, or EOS
-    family: str                # what it is, in a few words (listings, docs)
 
     @property
     def text(self) -> str:
@@ -70,7 +69,7 @@ class UnknownFormat(ValueError):
 def formats() -> dict[str, PromptFormat]:
     """Every prompt format of the catalog, by name."""
     entries = yaml.safe_load(FORMATS_FILE.read_text())
-    return {name: PromptFormat(name, e["template"], tuple(e["markers"]), e["end_of_turn"], e["family"])
+    return {name: PromptFormat(name, e["template"], tuple(e["markers"]), e["end_of_turn"])
             for name, e in entries.items()}
 
 
@@ -186,7 +185,7 @@ _PROBE_QUESTION = "What is $1+1$?"
 
 
 def check_format(tokenizer, fmt: PromptFormat, key: str, where: str = "") -> int:
-    """``fmt`` fits ``tokenizer`` (the real one of ``model``): every marker is one special token of it, the format
+    """``fmt`` fits ``tokenizer`` (the real one of catalog model ``key``): every marker is one special token of it, the format
     renders the paper's single user message (the problem and the suffix, once, unaltered) and closes a turn with
     its ``end_of_turn`` (``end_of_turn_id``: the id ``backends.verl.batch.stop_token_ids`` puts first among the stop
     ids vLLM receives). Returns that id; raises ValueError naming the model (catalog ``key``, loaded from
