@@ -41,12 +41,13 @@ class PromptFormat:
     markers: tuple[str, ...]   # each must be one special token of the model's tokenizer
     end_of_turn: str           # a marker, or EOS
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
-        """The Jinja template, as verl's agent loop applies it (``custom_chat_template``)."""
+        """The Jinja template, as verl's agent loop applies it (``custom_chat_template``); read once (every run key
+        of a hub model's job reads its digest)."""
         return (FORMATS_DIR / self.template).read_text()
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """16 hex digits of the template's SHA-256: what identifies the format in a run key and on the run."""
         return hashlib.sha256(self.text.encode()).hexdigest()[:16]
