@@ -103,6 +103,9 @@ class MethodConfig:
     sgt_lambda: float = 0.1           # SGT's NLL coefficient
     luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
     source_rule: str = "most_successes"   # a group of K > 2: which of several qualifying sources a receiver takes
+    # A peer copy longer than the receiver's response limit in its tokens: drop | train (graft_exp.methods.CUT_COPIES).
+    # Runs before the setting trained it as cut; transferring methods drop it (conf/method/graft.yaml).
+    cut_copies: str = added_setting("train")
     hacpo: HacpoConfig = field(default_factory=HacpoConfig)
     # Settings of rules registered with params=(...); a method without them keys as before params existed.
     params: dict[str, Any] = added_setting({}, default_factory=dict)

@@ -87,6 +87,11 @@ class Backend(Protocol):
         """Receiver-old log-probs of re-tokenized peer responses (eq. 8) for this step; what it computes may
         serve this step's ``update`` (the step order above)."""
 
+    def copy_lengths(self, role: str, source: Rollouts, copies: list[tuple[int, int]]) -> list[int]:
+        """The length of each source response ``copies`` = [(prompt, sample)] in receiver ``role``'s tokens, as the
+        scorer and the update re-tokenize it, its stop token included where the source finished, before the cut
+        at ``train.max_response_length``."""
+
     def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """One optimizer step per minibatch, in order, with the method's loss (``method.loss``): the mean

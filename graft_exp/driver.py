@@ -307,8 +307,22 @@ class Driver:
                     if self.members[role].replayed is not None}
         batches, sources, transfers = plan_step(method, rollouts, scorers, generator(self.cfg.seed, step, "exchange"),
                                                 replayed=replayed, capability_ratios=ratios)
+        batches = {role: self.cut_copies(role, batch, sources[role]) for role, batch in batches.items()}
         exchanged = {schema.exchange_metric(s, r): float(mask.sum()) for (s, r), mask in transfers.items() if s != REPLAYED}
         return batches, sources, ratios, transfers, exchanged
+
+    def cut_copies(self, role: str, batch: ReceiverBatch, source: Rollouts | None) -> ReceiverBatch:
+        """``batch`` as the method treats peer copies longer in the receiver's tokens than its response limit
+        (``method.cut_copies``), their number kept as ``peer_copies_cut`` either way. A receiver whose vocabulary
+        splits text finer than its source's (Qwen's digit by digit) receives such copies of the source's longest
+        finished answers."""
+        if source is None:
+            return batch
+        copies = batch.peer_copies()
+        lengths = self.backend.copy_lengths(role, source, copies)
+        cut = {copy for copy, length in zip(copies, lengths) if length > int(self.cfg.train.max_response_length)}
+        batch.metrics["peer_copies_cut"] = float(len(cut))
+        return self.method.cut_copies(batch, cut) if cut else batch
 
     def transfer_log(self, step: int, own: dict[str, Sampled], batches: dict[str, ReceiverBatch],
                      orders: dict[str, list[list[int]]], transfers: dict, plan_sources: dict[str, Rollouts | None],

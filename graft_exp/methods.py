@@ -285,8 +285,17 @@ PEER_LOSSES.register("hacpo", fixed(HacpoPeerLoss(objective="hacpo", gated=False
                                                                   "two models' groups")))   # App. B
 
 #: Every table of components, in the order ``resolve`` builds them.
+#: ``cut(batch, copies) -> batch``: what a peer copy longer than the receiver's response limit, in the receiver's
+#: tokens, is worth (``copies``: the (prompt, sample) of such copies in ``batch``). Cut at the limit, a copy loses
+#: its end of turn and, as a rule, its final answer, yet carries the source's reward and advantage: a correct
+#: answer's copy would teach the receiver to run to the limit and not stop. Re-scoring what remains would give the
+#: cut reasoning a reward the source's group never had, and change its group's advantages. docs/verl.md.
+CUT_COPIES = Registry("method.cut_copies")
+CUT_COPIES.register("drop", fixed(lambda batch, copies: batch.without_copies(copies)))   # not transferred
+CUT_COPIES.register("train", fixed(lambda batch, copies: batch))   # trained as cut (every run before the setting)
+
 COMPONENTS = (SELECTIONS, ADMISSIONS, PEER_RESPONSES, ADVANTAGES, RATIOS, PEER_POSITIONS, SOURCES, SOURCE_RULES,
-              PEER_LOSSES)
+              PEER_LOSSES, CUT_COPIES)
 
 
 # ------------------------------------------------------------------------------------ methods
@@ -355,6 +364,7 @@ class Method:
     source: Source
     peer_loss: PeerLoss
     source_rule: SourceRule
+    cut_copies: Callable            # ``cut(batch, copies) -> batch``: method.cut_copies
 
     @cached_property
     def loss(self) -> LossSpec:
@@ -421,4 +431,4 @@ def resolve(method) -> Method:
                   keep=PEER_RESPONSES.build(method), advantages=ADVANTAGES.build(method),
                   objective=peer_loss.objective or ratio_objective,
                   order=PEER_POSITIONS.build(method), source=SOURCES.build(method), peer_loss=peer_loss,
-                  source_rule=SOURCE_RULES.build(method))
+                  source_rule=SOURCE_RULES.build(method), cut_copies=CUT_COPIES.build(method))

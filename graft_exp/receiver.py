@@ -42,6 +42,19 @@ class ReceiverBatch:
     nll: list[tuple[int, int]] = field(default_factory=list)   # SGT: (prompt, peer sample) pairs
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def peer_copies(self) -> list[tuple[int, int]]:
+        """The (prompt, source sample) of every peer response this batch trains on: peer rows and SGT's NLL rows."""
+        return [(row.prompt, row.sample) for row in self.rows if row.origin == PEER] + list(self.nll)
+
+    def without_copies(self, dropped: set[tuple[int, int]]) -> ReceiverBatch:
+        """This batch without the peer responses ``dropped`` (prompt, source sample), as a gate of weight 0
+        would leave it: own rows, groups and their order unchanged; ``peer_admitted`` counts what is left."""
+        rows = [row for row in self.rows if row.origin != PEER or (row.prompt, row.sample) not in dropped]
+        nll = [pair for pair in self.nll if pair not in dropped]
+        removed = len(self.rows) - len(rows) + len(self.nll) - len(nll)
+        metrics = dict(self.metrics, peer_admitted=self.metrics["peer_admitted"] - removed)
+        return ReceiverBatch(rows, self.group_is_peer, nll, metrics)
+
     def minibatches(self, method, groups_per_minibatch: int, generator: torch.Generator) -> list[list[int]]:
         """Group indices of each minibatch, in processing order (``method.order``: peer-last / first / uniform)."""
         order = method.order(self.group_is_peer, groups_per_minibatch, generator)

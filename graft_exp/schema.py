@@ -76,6 +76,8 @@ MODEL_METRICS = {
     "train/peer_solved_frac/<S>": "as train/peer_solved_frac, in a group of K > 2: the share member S solved",
     "train/peer_groups": "every step of a co-trained method", "train/peer_admitted": "every step of a co-trained method",
     "train/compat_mean": "steps where peer groups were scored",
+    "train/peer_copies_cut": "every step with peer rows: peer responses longer than this model's response limit in "
+                             "its tokens (method.cut_copies: dropped, or trained as cut)",
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
     "cost/flops": "every step: cumulative counted FLOPs of this model's sampling, scoring and updates (costs.ModelFlops)",
     "transfers/admitted": "every step of a method that transfers: peer responses admitted into this model's update",

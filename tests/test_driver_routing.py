@@ -193,3 +193,20 @@ def test_the_backend_is_closed_however_the_job_ends(make_job):
     cfg, job = make_job("method=graft", "seed=2")
     (backend,), _ = fit(cfg, job, stop_at_step=1)
     assert backend.closed and job.status == "RUNNING"
+
+
+@pytest.mark.parametrize("name", ["graft", "sgt"])
+def test_peer_copies_over_the_receiver_s_limit_are_dropped_or_trained_as_the_method_says(make_job, name):
+    """An 11-token limit cuts every copy of a boxed answer (the memory backend counts a character per token):
+    ``method.cut_copies=drop`` (transferring methods' default) leaves them out of the update, ``train`` trains them;
+    both count them at each step."""
+    for rule in ("drop", "train"):
+        cfg, job = make_job(f"method={name}", "train.batch_prompts=16", "train.max_response_length=11",
+                            f"method.cut_copies={rule}")
+        (backend,), _ = fit(cfg, job)
+        copies = [len(u.source.responses[q][i]) for u in backend.updates
+                  for q, i in [(r.prompt, r.sample) for r in u.batch.rows if r.origin == "peer"] + u.batch.nll]
+        assert not copies if rule == "drop" else copies and min(copies) > 11
+        runs = model_runs(job.client, job.run_id)
+        cut_counts = [v for run in runs.values() for _, v in histories(job.client, run.info.run_id)["train/peer_copies_cut"]]
+        assert len(cut_counts) == 4 and sum(cut_counts) >= (len(copies) if rule == "train" else 1)

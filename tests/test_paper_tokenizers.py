@@ -224,3 +224,39 @@ def test_the_shipped_paper_vocabulary_models_match_their_recipes_and_solve_the_t
     print(solved)
     for key in tiny.PAPER_VOCAB_RECIPES:
         assert sum(solved[key, skill] for skill in SKILLS) >= 3, (key, solved)
+
+
+def test_a_peer_copy_cut_at_the_receiver_s_limit_is_not_transferred(tokenizers):
+    """Real solutions a Llama 3 model finished within a 512-token limit, copied to Qwen3 (which splits digits one by
+    one): some no longer fit. Cut at the limit they lose the end of turn and, nearly always, the boxed answer the
+    source's reward was for; graft's rule (``method.cut_copies: drop``) leaves them out of the receiver's batch, the
+    old one (``train``) trains them as cut; both count them."""
+    import torch
+
+    from graft_exp.backends.verl import batch as vb
+    from graft_exp.methods import CUT_COPIES
+    from graft_exp.receiver import PEER, SELF, ReceiverBatch, Row
+
+    limit, src, dst = 512, tokenizers["octothinker-3b-hybrid-base"], tokenizers["qwen3-1.7b-base"]
+    stop = vb.stop_token_ids(dst, GenerationConfig(eos_token_id=SNAPSHOTS["qwen3-1.7b-base"].generation_eos))[0]
+    finished = [(text, gold) for text, gold in real_solutions(100)
+                if len(src.encode(text, add_special_tokens=False)) + 1 <= limit]
+    lengths = [len(vb.copy_ids(text, dst, finished=True, stop_id=stop)) for text, _ in finished]
+    cut = [i for i, length in enumerate(lengths) if length > limit]
+    assert len(finished) >= 80 and 1 <= len(cut) <= len(finished) // 10   # measured: 5 of 88
+    for i in cut:
+        text, gold = finished[i]
+        ids = vb.retokenize(text, dst, finished=True, max_length=limit, stop_id=stop)
+        assert len(ids) == limit and stop not in ids
+        assert reward(text, gold) == 1.0 and reward(dst.decode(ids, skip_special_tokens=True), gold) == 0.0
+    for i in set(range(len(finished))) - set(cut):
+        assert vb.retokenize(finished[i][0], dst, finished=True, max_length=limit, stop_id=stop)[-1] == stop
+
+    rows = [Row(0, SELF, 0, 0, 0.5, 1.0)] + [Row(1, PEER, 1, i, 1.0, 1.0) for i in range(len(finished))]
+    batch = ReceiverBatch(rows, torch.tensor([False, True]), [], {"peer_admitted": float(len(finished))})
+    copies = {(1, i) for i in cut}
+    dropped = CUT_COPIES.get("drop")(None)(batch, copies)
+    assert [(r.prompt, r.sample) for r in dropped.rows if r.origin == PEER] == \
+        [(1, i) for i in range(len(finished)) if i not in cut]
+    assert dropped.metrics["peer_admitted"] == len(finished) - len(cut) and dropped.rows[0] == rows[0]
+    assert CUT_COPIES.get("train")(None)(batch, copies) is batch

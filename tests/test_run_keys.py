@@ -16,26 +16,26 @@ from support.run_keys import CASES, IDENTITIES, MODEL_CASES, compose_case
 from graft_exp import config, tracking
 
 JOB_KEYS = {
-    "": "2b46ca99c5dc7537",
+    "": "0e1811b58516eba0",
     "method=grpo_n8": "ac2eaaafd74f01f9",
-    "method=graft seed=3": "70c03f1c9de1ff64",
-    "method=graft method.delta=0.9": "fa7ca91beea51a1f",
-    "method=graft method.selection=at_least +method.params.min_solved=0.5": "4f7d52c418081f9d",
-    "method=graft_stored": "d5b010bdb5cb9692",
-    "method=hacpo pair=tiny_ac": "6299b3080fd018fd",
-    "group=tiny3": "32af6ac5b157a213",
+    "method=graft seed=3": "36b52c4aa0111aa2",
+    "method=graft method.delta=0.9": "e5672220dbab339f",
+    "method=graft method.selection=at_least +method.params.min_solved=0.5": "00898da658f3a3dd",
+    "method=graft_stored": "d6643645e7df6d60",
+    "method=hacpo pair=tiny_ac": "629015e75684cd0d",
+    "group=tiny3": "906c1e6f87196aa2",
     "method=grpo_n32 train.max_gpu_hours=0.05": "c421105acc414e77",
-    "method=graft train.gpu_hours_of=ac2eaaafd74f01f9": "132175d03e677104",
-    "pair=pair1 backend=verl": "863455053cdf9643",
-    "pair=pair2 backend=verl cluster=slurm method=sgt": "d7fb741d66b9c5d9",
+    "method=graft train.gpu_hours_of=ac2eaaafd74f01f9": "f48f61094c381b4a",
+    "pair=pair1 backend=verl": "49a40f832e4ef7da",
+    "pair=pair2 backend=verl cluster=slurm method=sgt": "4e8ec75bb8048259",
     "pair=pair3 backend=verl method=grpo_ds seed=2": "ab538f7f79b74c78",
-    "group=trio backend=verl": "16b4ae3443fdd57c",
-    "pair=tiny_verl backend=verl": "078980042573dfd9",
+    "group=trio backend=verl": "f2a6d61e48554cb6",
+    "pair=tiny_verl backend=verl": "af7935c46ee05d5f",
 }
 MODEL_KEYS = {
     "pair=pair1 backend=verl method=grpo_n8": "691e3042fff99f87",   # Qwen3's GRPO baseline, shared by the pairs
     "pair=pair2 backend=verl method=grpo_n8": "691e3042fff99f87",
-    "method=graft": "8dd5f285836eb11a",
+    "method=graft": "70125bcdb00ea7a3",
 }
 
 
@@ -114,3 +114,11 @@ def test_a_logged_config_gives_the_key_of_its_composition():
         cfg = compose_case(overrides)
         logged = yaml.safe_load(OmegaConf.to_yaml(cfg, resolve=True))
         assert tracking.run_key(logged) == JOB_KEYS[overrides]
+
+
+@pytest.mark.parametrize("overrides,before", [("", "2b46ca99c5dc7537"),
+                                              ("method=graft method.delta=0.9", "fa7ca91beea51a1f")])
+def test_the_old_cut_copy_rule_finds_the_runs_keyed_before_it(overrides, before):
+    """The deliberate re-key of the cut-copy rule (README, "Upgrading"): ``method.cut_copies=train`` computes what
+    co-trained jobs computed before the setting, and finds their runs under the keys pinned before it."""
+    assert tracking.run_key(compose_case(f"{overrides} method.cut_copies=train".strip())) == before

@@ -143,6 +143,10 @@ class LocalBackend:
             return sums, counts
         return score
 
+    def copy_lengths(self, role: str, source: Rollouts, copies: list[tuple[int, int]]) -> list[int]:
+        policy = self.policies[role]
+        return [len(policy.copy_ids(source.responses[q][i], bool(source.finished[q, i]))) for q, i in copies]
+
     # ------------------------------------------------------------------ update
     def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:

@@ -82,10 +82,12 @@ class LocalPolicy:
     def encode_response(self, text: str, finished: bool) -> list[int]:
         """Re-tokenize a response string for this model (§3.2): its tokens, plus the end token when the
         source ended its response, truncated to the response length limit. Never empty."""
+        return self.copy_ids(text, finished)[: self.max_response_tokens]
+
+    def copy_ids(self, text: str, finished: bool) -> list[int]:
+        """``encode_response`` before the cut at the response length limit."""
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        if finished or not ids:
-            ids = ids + [self.eos]
-        return ids[: self.max_response_tokens]
+        return ids + [self.eos] if finished or not ids else ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -108,6 +108,10 @@ class MemoryBackend:
             return (-0.1 + shift) * tokens.double(), tokens
         return score
 
+    def copy_lengths(self, role: str, source: Rollouts, copies: list[tuple[int, int]]) -> list[int]:
+        """A character per token, as ``sample`` counts them."""
+        return [len(source.responses[q][i]) for q, i in copies]
+
     def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         spec = self.method.loss

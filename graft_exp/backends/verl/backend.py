@@ -212,6 +212,11 @@ class VerlBackend:
         self.scorers[role] = vb.PeerScorer(own.data, self.n, model.tokenizer, model.log_probs, model.stop_ids[0])
         return self.scorers[role]
 
+    def copy_lengths(self, role: str, source: Rollouts, copies: list[tuple[int, int]]) -> list[int]:
+        model = self.models[role]
+        return [len(vb.copy_ids(source.responses[q][i], model.tokenizer, finished=bool(source.finished[q, i]),
+                                stop_id=model.stop_ids[0])) for q, i in copies]
+
     # ------------------------------------------------------------------ update
     def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:

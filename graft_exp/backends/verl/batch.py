@@ -120,15 +120,18 @@ def decode_responses(batch: DataProto, tokenizer, stop_ids: list[int]) -> tuple[
     return texts, finished
 
 
-def retokenize(text: str, tokenizer, *, finished: bool, max_length: int, stop_id: int) -> list[int]:
+def copy_ids(text: str, tokenizer, *, finished: bool, stop_id: int) -> list[int]:
     """A peer response string in the receiver's tokens: its encoding without special tokens, plus the
     receiver's stop token ``stop_id`` (the first of its ``stop_token_ids``: a chat model's end of turn)
-    when the source finished, so that the receiver learns to stop where the source stopped, cut at
-    ``max_length`` (a cut response has no stop token, like one generated to the length limit)."""
+    when the source finished, so that the receiver learns to stop where the source stopped."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    if finished:
-        ids = ids + [int(stop_id)]
-    return ids[:max_length]
+    return ids + [int(stop_id)] if finished else ids
+
+
+def retokenize(text: str, tokenizer, *, finished: bool, max_length: int, stop_id: int) -> list[int]:
+    """``copy_ids`` cut at ``max_length`` (a cut response has no stop token, like one generated to the length
+    limit; ``method.cut_copies`` says whether the receiver trains on it)."""
+    return copy_ids(text, tokenizer, finished=finished, stop_id=stop_id)[:max_length]
 
 
 def response_token_ids(batch: DataProto, n: int) -> list[list[list[int]]]:
