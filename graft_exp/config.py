@@ -203,6 +203,9 @@ class VerlBackendConfig:
     verl_overrides: list[str] = field(default_factory=list)
     progress: bool = True
     seeded_requests: bool = added_setting(True)   # a vLLM seed per rollout request (backends/verl/seeded_agent.py)
+    # The log-prob pass verl's workers take (resources.LOGITS_BYTES): rowwise | flash_attn_ce. The job sets it on
+    # its workers, so the plan's activation term is the node's, not the submitting machine's.
+    logprob_path: str = added_setting("rowwise")
 
 
 @dataclass
@@ -752,17 +755,22 @@ def prepared_models(cfg: DictConfig) -> None:
 def node_packages(cfg: DictConfig) -> None:
     """Where a ``backend=verl`` job trains on GPUs, the packages its engines load beyond the ``verl`` extra:
     flash-attention 2, which verl's FSDP engine loads every model with (``HFModelConfig``'s default
-    ``attn_implementation``) and whose cross-entropy its log-prob pass takes (``resources.logprob_path``)."""
+    ``attn_implementation``) and whose cross-entropy ``backend.logprob_path=flash_attn_ce`` takes."""
     if cfg.backend.name != "verl" or not trains_here(cfg):
         return
     import importlib.util
 
     import torch
 
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is None:
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    if torch.cuda.is_available():
         raise ConfigError("flash-attn is not installed where this job trains, and verl's FSDP engine loads every "
                           "model with flash_attention_2 on GPUs: pip install flash-attn==2.8.3 --no-build-isolation "
                           "in the job's environment (docs/verl.md, Install)")
+    if cfg.backend.logprob_path == "flash_attn_ce":
+        raise ConfigError("backend.logprob_path=flash_attn_ce needs flash-attn where the job trains, and it is not "
+                          "installed here: use backend.logprob_path=rowwise (the default)")
 
 
 def validate_environment(cfg: DictConfig) -> None:

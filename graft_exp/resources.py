@@ -63,22 +63,13 @@ GPU_RESERVE_GB = 3.0
 #: (the larger of the two measured on an H200; see the module docstring).
 ALLOCATOR_HEADROOM = 0.92
 #: Bytes per (token, vocabulary entry) of each path verl 0.9.1's log-prob pass may take
-#: (``verl.utils.torch_functional.logprobs_from_logits``). ``rowwise`` (``logprobs_from_logits_v2``, where flash-attn
-#: is not installed): the bf16 logits kept for the backward pass and their bf16 gradient; measured at 16,384 tokens,
-#: 10.2 GiB of activations for Qwen3-1.7B against this term's 11.0 (a full fp32 log-softmax took 19-29 GiB).
-#: ``flash_attn_ce`` (flash-attn's Triton cross-entropy, ``inplace_backward=True``): the bf16 logits, whose buffer the
-#: backward pass writes the gradient into; derived from the kernel, not measured.
+#: (``verl.utils.torch_functional.logprobs_from_logits``), chosen by ``backend.logprob_path``, which the job sets on
+#: its workers (``VERL_DISABLE_FLASH_ATTN_CE``). ``rowwise`` (``logprobs_from_logits_v2``): the bf16 logits kept for
+#: the backward pass and their bf16 gradient; measured at 16,384 tokens, 10.2 GiB of activations for Qwen3-1.7B
+#: against this term's 11.0 (a full fp32 log-softmax took 19-29 GiB). ``flash_attn_ce`` (flash-attn's Triton
+#: cross-entropy, ``inplace_backward=True``): the bf16 logits, whose buffer the backward pass writes the gradient
+#: into; derived from the kernel, not measured.
 LOGITS_BYTES = {"rowwise": 4, "flash_attn_ce": 2}
-
-
-def logprob_path() -> str:
-    """The path verl's log-prob pass takes in this environment, as verl decides it: flash-attn's cross-entropy
-    where ``flash_attn`` is installed and ``VERL_DISABLE_FLASH_ATTN_CE`` is not 1, else row-wise."""
-    import importlib.util
-    import os
-
-    flash = importlib.util.find_spec("flash_attn") is not None and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE") != "1"
-    return "flash_attn_ce" if flash else "rowwise"
 #: Host memory per GPU for its processes (FSDP worker, vLLM engine core: Python, torch, CUDA runtime).
 HOST_PER_GPU_GB = 5.0
 #: Host memory per agent-loop worker (tokenizer, reward process) and for the driver process.
@@ -212,7 +203,9 @@ def _pool(cfg: DictConfig, role: str, gpu_size: float | None) -> Pool:
     world = int(backend.gpus_per_model) * int(backend.nnodes)
     per_param = fsdp_bytes_per_param(backend)
     states = {name: gb(size.params * b / world) for name, b in per_param.items()}
-    activations = gb(activations_bytes(size, int(backend.max_token_len_per_gpu), logprob_path()))
+    if backend.logprob_path not in LOGITS_BYTES:
+        raise ConfigError(f"backend.logprob_path={backend.logprob_path!r} is not one of {', '.join(LOGITS_BYTES)}")
+    activations = gb(activations_bytes(size, int(backend.max_token_len_per_gpu), str(backend.logprob_path)))
     headroom = round(ALLOCATOR_HEADROOM * activations, 1)
     fraction = float(backend.gpu_memory_utilization)
     vllm = None if gpu_size is None else round(fraction * gpu_size, 1)
@@ -264,9 +257,9 @@ def job_plan(cfg: DictConfig, trained: Sequence[str] | None = None) -> Plan:
                   "best": Checkpoint(list(BEST_CONTENTS), checkpoint_gb(params, BEST_CONTENTS))}
     slurm = {"nodes": nnodes, "gpus_per_node": gpus, "cpus_per_task": cpus, "mem_gb": round_up(host, 8)}
     notes = []
-    if logprob_path() != "rowwise":
-        notes.append("activations follow flash-attn's in-place cross-entropy (installed here): half the row-wise "
-                     "logits term, derived, not measured (VERL_DISABLE_FLASH_ATTN_CE=1 takes the measured path)")
+    if backend.logprob_path != "rowwise":
+        notes.append("activations follow flash-attn's in-place cross-entropy (backend.logprob_path=flash_attn_ce): "
+                     "half the row-wise logits term, derived, not measured (rowwise, the default, is measured)")
     if nnodes > 1:
         notes.append(f"{nnodes} nodes: every pool spans every node; checkpoint_root ({cfg.checkpoint_root}) and "
                      f"backend.model_dir ({backend.model_dir}) must be one shared filesystem that every node "

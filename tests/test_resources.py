@@ -109,21 +109,32 @@ def test_each_phase_counts_what_verl_holds_then(compose_cfg):
         16384 * 151936 * 4 + 16384 * 2048 * 2 * 28
 
 
-def test_the_activation_term_follows_the_log_prob_path_verl_takes(compose_cfg, monkeypatch):
-    """verl computes log-probs with flash-attn's in-place cross-entropy where flash_attn is installed (bf16 logits,
-    the gradient written into them: 2 bytes per entry), else row-wise (logits and their gradient: 4)."""
+def test_the_activation_term_follows_the_log_prob_path_the_job_sets(compose_cfg, monkeypatch):
+    """The plan counts the log-prob path ``backend.logprob_path`` names, and the job sets that path on its Ray
+    workers (verl reads ``VERL_DISABLE_FLASH_ATTN_CE`` per call), whatever the submitting machine has installed:
+    row-wise (logits and their gradient: 4 bytes per entry, measured) by default, flash-attn's in-place
+    cross-entropy (the gradient written into the bf16 logits: 2) where chosen, refused where flash-attn is absent."""
     import importlib.util
 
-    assert resources.logprob_path() == "rowwise"   # no flash-attn here
+    from graft_exp.backends.verl.config import ray_init_kwargs
+    from graft_exp.config import ConfigError, node_packages
+
+    shape = ("pair=pair1", "cluster=slurm", "backend.gpus_per_model=1", "backend.rollout_tp=1")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))
-    assert resources.logprob_path() == "flash_attn_ce"
-    _, plan = _plan(compose_cfg, "pair=pair1", "cluster=slurm", "backend.gpus_per_model=1", "backend.rollout_tp=1")
-    qwen = plan.gpu_mem_gb["B"]
-    assert qwen.activations == round((16384 * 151936 * 2 + 16384 * 2048 * 2 * 28) / resources.GB, 1)
+    _, plan = _plan(compose_cfg, *shape)   # flash-attn installed here: the default path stays row-wise
+    assert plan.gpu_mem_gb["B"].activations == round((16384 * 151936 * 4 + 16384 * 2048 * 2 * 28) / resources.GB, 1)
+    assert not any("cross-entropy" in note for note in plan.notes)
+    _, plan = _plan(compose_cfg, *shape, "backend.logprob_path=flash_attn_ce")
+    assert plan.gpu_mem_gb["B"].activations == round((16384 * 151936 * 2 + 16384 * 2048 * 2 * 28) / resources.GB, 1)
     assert any("flash-attn's in-place cross-entropy" in note for note in plan.notes)
-    monkeypatch.setenv("VERL_DISABLE_FLASH_ATTN_CE", "1")
-    assert resources.logprob_path() == "rowwise"
+    env = {path: ray_init_kwargs(OmegaConf.create({}), "t", logprob_path=path)["runtime_env"]["env_vars"]
+           for path in ("rowwise", "flash_attn_ce")}
+    assert env["rowwise"]["VERL_DISABLE_FLASH_ATTN_CE"] == "1" and env["flash_attn_ce"]["VERL_DISABLE_FLASH_ATTN_CE"] == "0"
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)   # no flash-attn where the job trains (CPU)
+    cfg = compose_cfg("pair=tiny_paper_vocab", "backend=verl", "backend.logprob_path=flash_attn_ce")
+    with pytest.raises(ConfigError, match="backend.logprob_path=rowwise"):
+        node_packages(cfg)
 
 
 def test_hacpo_counts_its_reference_models_and_pools_load_together(compose_cfg):

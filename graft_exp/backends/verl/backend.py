@@ -319,7 +319,8 @@ def create(cfg: DictConfig, method: Method, roles: list[str], run_dir: Path) -> 
     # The GPUs of the pools this job starts: a single-model job whose other member's shared baseline already
     # finished was allocated (resources.job_plan) and runs one pool only.
     start_local_ray(num_gpus=len(roles) * int(cfg.backend.gpus_per_model), job_dir=backend.dir,
-                    address=cfg.backend.ray_address, init_kwargs=ray_init_kwargs(backend.models[roles[0]].config),
+                    address=cfg.backend.ray_address, init_kwargs=ray_init_kwargs(backend.models[roles[0]].config,
+                                                                 logprob_path=cfg.backend.logprob_path),
                     num_cpus=len(os.sched_getaffinity(0)))
     if int(cfg.backend.nnodes) > 1:
         local_models = {f"model of {role}": model_path(cfg, role) for role in roles

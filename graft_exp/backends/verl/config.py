@@ -104,12 +104,13 @@ def job_token() -> str:
     return f"{os.environ.get('SLURM_JOB_ID', 'local')}-{uuid.uuid4().hex[:8]}"
 
 
-def ray_init_kwargs(config: DictConfig, token: str | None = None) -> dict:
+def ray_init_kwargs(config: DictConfig, token: str | None = None, logprob_path: str = "rowwise") -> dict:
     """``ray.init`` arguments for a job: verl's PPO runtime environment (``get_ppo_ray_runtime_env``:
     ``VLLM_DISABLE_COMPILE_CACHE``, NCCL / vLLM log levels, ... as ``verl.trainer.main_ppo`` passes them)
     plus this job's token for its socket names (``runtime.scoped_zmq_handle``), and, for the private Ray
     a one-node job starts, a temp dir of its own (Ray's sessions and sockets; a cluster joined by
-    address keeps the one ``ray start`` was given).
+    address keeps the one ``ray start`` was given), and the log-prob path of ``backend.logprob_path`` on every
+    worker (``VERL_DISABLE_FLASH_ATTN_CE``, which verl reads per call).
 
     ``config`` is the verl config of one of the job's models (``verl_config``)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
@@ -117,6 +118,8 @@ def ray_init_kwargs(config: DictConfig, token: str | None = None) -> dict:
     token = token or job_token()
     runtime_env = get_ppo_ray_runtime_env(config)
     runtime_env.setdefault("env_vars", {})[JOB_TOKEN_ENV] = token
+    # The log-prob path the plan counted (backend.logprob_path), whatever the node's shell says.
+    runtime_env["env_vars"]["VERL_DISABLE_FLASH_ATTN_CE"] = "0" if logprob_path == "flash_attn_ce" else "1"
     # Ray's Unix socket paths must stay under ~107 bytes: a short directory in the node's temp space.
     base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
     return {"runtime_env": runtime_env, "_temp_dir": os.path.join(base, f"graft-ray-{token}")}
