@@ -218,6 +218,7 @@ class RootConfig:
     rerun: bool = MISSING
     checkpoint_root: str = MISSING
     compare_to: str | None = None   # the method a multirun's comparison measures the others against
+    preflight: bool = False         # a run of python -m graft_exp.preflight: recorded under graft-preflight/<study>
     pair: PairConfig = MISSING
     method: Any = MISSING
     backend: Any = MISSING
@@ -752,6 +753,10 @@ def prepared_models(cfg: DictConfig) -> None:
                 raise ConfigError(str(err).splitlines()[0]) from None
 
 
+#: The flash-attention verl's FSDP engine loads on GPUs (not in the ``verl`` extra: it builds against the node's CUDA).
+FLASH_ATTN = "flash-attn==2.8.3"
+
+
 def node_packages(cfg: DictConfig) -> None:
     """Where a ``backend=verl`` job trains on GPUs, the packages its engines load beyond the ``verl`` extra:
     flash-attention 2, which verl's FSDP engine loads every model with (``HFModelConfig``'s default
@@ -766,7 +771,7 @@ def node_packages(cfg: DictConfig) -> None:
         return
     if torch.cuda.is_available():
         raise ConfigError("flash-attn is not installed where this job trains, and verl's FSDP engine loads every "
-                          "model with flash_attention_2 on GPUs: pip install flash-attn==2.8.3 --no-build-isolation "
+                          f"model with flash_attention_2 on GPUs: pip install {FLASH_ATTN} --no-build-isolation "
                           "in the job's environment (docs/verl.md, Install)")
     if cfg.backend.logprob_path == "flash_attn_ce":
         raise ConfigError("backend.logprob_path=flash_attn_ce needs flash-attn where the job trains, and it is not "

@@ -40,6 +40,9 @@ class Generation:
     token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
     data: object                              # the backend's token-level data for its update
     prompt_tokens: list[int]                  # [P] each prompt's length in the model's tokens, as prefilled
+    # The largest mean per-token |rollout engine - trainer| log-prob gap of a response (verl: vLLM's log-probs
+    # against the FSDP workers' of the same tokens); None where one engine samples and scores (local).
+    logprob_gap: float | None = None
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Sampled:
     data: object
     token_ids: list[list[list[int]]]          # [P][n] generated ids, for the trajectory log
     prompt_tokens: list[int]                  # [P] each prompt's length in the model's tokens
+    logprob_gap: float | None = None          # Generation.logprob_gap (the largest of a refilled batch's draws)
 
 
 class Backend(Protocol):

@@ -189,7 +189,7 @@ class Driver:
         rollouts = Rollouts(model=self.members[role].key, prompt_ids=[p.uid for p in problems],
                             responses=out.responses, rewards=rewards, advantages=advantages,
                             logp_sum=out.logp_sum, num_tokens=out.num_tokens, finished=out.finished)
-        return Sampled(rollouts, problems, out.data, out.token_ids, out.prompt_tokens)
+        return Sampled(rollouts, problems, out.data, out.token_ids, out.prompt_tokens, out.logprob_gap)
 
     def dynamic_sampling_rollout(self, role: str, step: int) -> Sampled:
         """DAPO dynamic sampling: keep groups with 0 < k < n, draw more batches until the batch is full
@@ -210,7 +210,8 @@ class Driver:
         return Sampled(Rollouts.concat_groups([(s.rollouts, g) for s, g in parts]),
                        [s.problems[q] for s, g in parts for q in g],
                        self.backend.gather(role, [(s.data, g) for s, g in parts]),
-                       [s.token_ids[q] for s, g in parts for q in g], [s.prompt_tokens[q] for s, g in parts for q in g])
+                       [s.token_ids[q] for s, g in parts for q in g], [s.prompt_tokens[q] for s, g in parts for q in g],
+                       max((s.logprob_gap for s, _ in parts if s.logprob_gap is not None), default=None))
 
     def replayed_source(self, role: str, step: int, own: Sampled) -> Rollouts:
         """The peer's logged GRPO n=8 rollouts of this step, rewards re-verified (App. B "Saved peer logs")."""
@@ -385,6 +386,8 @@ class Driver:
         m.update(update_metrics(counts, self.method.loss))
         if self.method.co_train:
             m.update({schema.TRAIN + k: v for k, v in batch.metrics.items()})
+        if own[role].logprob_gap is not None:
+            m[schema.TRAIN + "rollout_logprob_gap"] = own[role].logprob_gap
         if peer_rollouts:
             m[schema.TRAIN + "peer_solved_frac"] = peer_solved_frac(rollouts, list(peer_rollouts.values()))
         if len(peer_rollouts) > 1:   # a group: what each peer solved of this model's all-fail prompts

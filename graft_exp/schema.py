@@ -15,7 +15,7 @@ import re
 ENV_PREFIX = "graft.env."
 #: Libraries whose version is recorded: distribution name (as pip knows it) -> tag.
 ENV_LIBRARY_TAGS = {dist: ENV_PREFIX + dist.replace("-", "_")
-                    for dist in ("torch", "transformers", "verl", "vllm", "math-verify", "mlflow")}
+                    for dist in ("torch", "transformers", "verl", "vllm", "math-verify", "mlflow", "ray", "flash-attn")}
 ENV_GPU, ENV_DRIVER, ENV_CUDA = ENV_PREFIX + "gpu", ENV_PREFIX + "driver", ENV_PREFIX + "cuda"
 ENV_TAGS = {
     **{tag: f"{dist} version" for dist, tag in ENV_LIBRARY_TAGS.items()},
@@ -35,6 +35,7 @@ JOB_TAGS = {
     "graft.last_step": "when training ends: the last trained step (below train.max_steps when the budget ran out)",
     "graft.run_key_before": "by python -m graft_exp.rekey, when it changed graft.run_key: the key it replaced",
     "graft.prompt_date": "at creation: the date chat templates that read the clock render (kept on resume)",
+    "graft.preflight": "on a preflight's job run (experiment graft-preflight/<study>), after its checks: pass | fail",
     **ENV_TAGS,
 }
 #: Tags of a model run (child of the job run, one per trained model).
@@ -76,6 +77,8 @@ MODEL_METRICS = {
     "train/peer_solved_frac/<S>": "as train/peer_solved_frac, in a group of K > 2: the share member S solved",
     "train/peer_groups": "every step of a co-trained method", "train/peer_admitted": "every step of a co-trained method",
     "train/compat_mean": "steps where peer groups were scored",
+    "train/rollout_logprob_gap": "every step on backend=verl: the largest mean per-token |vLLM - FSDP| log-prob gap "
+                                 "of a response this model sampled (a weight sync that delivers nothing shows here)",
     "train/peer_copies_cut": "every step with peer rows: peer responses longer than this model's response limit in "
                              "its tokens (method.cut_copies: dropped, or trained as cut)",
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
@@ -100,7 +103,7 @@ BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
 RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
-PROMPT_FORMAT, REVISION = "graft.prompt_format", "graft.revision"
+PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, BUDGET_FLOPS, LAST_STEP = "graft.budget_gpu_hours", "graft.budget_flops", "graft.last_step"

@@ -17,7 +17,7 @@ from graft_exp import prompts, scheduler
 from graft_exp.config import MEMBER_KEYS, key_neutral_settings
 
 # Config sections that say where or how a job runs, not what it computes.
-NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra", "compare_to")
+NON_IDENTITY_KEYS = ("cluster", "tracking", "checkpoint_root", "rerun", "study", "hydra", "compare_to", "preflight")
 #: The catalog field (conf/catalog/models.yaml) that says which weights a model starts from; the others describe
 #: it (display name, sizes, positions) for tables, checks and plans.
 CATALOG_IDENTITY_FIELDS = ("hf_id",)

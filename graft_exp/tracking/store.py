@@ -86,8 +86,13 @@ def _check_database(uri: str, timeout_s: float) -> None:
         engine.dispose()
 
 
+#: Where ``python -m graft_exp.preflight`` records its jobs: outside ``graft/``, so that no analysis, comparison or
+#: run lookup of experiments ever sees them.
+PREFLIGHT_PREFIX = "graft-preflight/"
+
+
 def experiment_name(cfg: DictConfig) -> str:
-    return f"graft/{cfg.study}"
+    return f"{PREFLIGHT_PREFIX if cfg.get('preflight') else 'graft/'}{cfg.study}"
 
 
 def sqlite_file(uri: str) -> Path | None:

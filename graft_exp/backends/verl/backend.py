@@ -202,7 +202,7 @@ class VerlBackend:
         return Generation(responses=[texts[q * n:(q + 1) * n] for q in range(len(problems))],
                           logp_sum=logp_sum.double().view(-1, n), num_tokens=num_tokens.view(-1, n),
                           finished=torch.tensor(finished).view(-1, n), token_ids=vb.response_token_ids(out, n),
-                          data=out, prompt_tokens=vb.prompt_token_counts(out, n))
+                          data=out, prompt_tokens=vb.prompt_token_counts(out, n), logprob_gap=vb.logprob_gap(out))
 
     def gather(self, role: str, parts: list[tuple[DataProto, list[int]]]) -> DataProto:
         return gather_groups(parts, self.n)

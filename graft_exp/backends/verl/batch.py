@@ -105,6 +105,17 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     return ids
 
 
+def logprob_gap(batch: DataProto) -> float | None:
+    """The largest mean per-token |rollout - trainer| log-prob gap of a response: vLLM's log-probs of the tokens it
+    sampled (``rollout_log_probs``) against the FSDP workers' (``old_log_probs``) under the weights the engine was
+    just sent. Near 0 where the sync delivered the weights (kernels and precision apart); None without vLLM's."""
+    if "rollout_log_probs" not in batch.batch.keys():
+        return None
+    mask = batch.batch["response_mask"].float()
+    gap = (batch.batch["rollout_log_probs"].float() - batch.batch["old_log_probs"].float()).abs() * mask
+    return float((gap.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).max())
+
+
 def decode_responses(batch: DataProto, tokenizer, stop_ids: list[int]) -> tuple[list[str], list[bool]]:
     """Each row's response string and whether it ended with one of the model's ``stop_ids``
     (``stop_token_ids``: finished) rather than at the length limit. The stop token is cut before decoding

@@ -1,0 +1,327 @@
+"""``python -m graft_exp.preflight [overrides]``: the job those overrides compose, in miniature, through the
+launcher it will run with, and one table of what holds on the machine it ran on (docs/reproduce.md, "Preflight").
+
+The miniature keeps what sizes the job per GPU (models, formats, ``train.max_response_length``, the micro-batch
+token budget, vLLM's memory share, the method) and shrinks what sizes it in time: one minibatch of prompts, two
+steps (the second samples from weights the first updated and synced), a validation of four problems per benchmark
+and one evaluation run, a checkpoint at each step. Its runs go to the experiment ``graft-preflight/<study>``
+(``preflight=true``), which no analysis, comparison or run lookup reads; its checkpoints to a folder of their own
+under ``checkpoint_root``. The report is attached to its job run (``preflight/report.md``, ``report.json``),
+tagged ``graft.preflight`` = pass | fail; the exit status is 1 on any fail.
+
+Each check reads what the job itself recorded (tags, metrics, its trajectory log, its checkpoint folder), so what
+passes is what ran: pass, fail (with the line that says what to change), not measurable here (a GPU figure on a
+machine without one; never a pass), or info (a measurement with nothing to hold it against).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from graft_exp import methods, prompts, resources, schema, tracking
+from graft_exp.config import ConfigError, roles, validate_job
+
+PASS, FAIL, NOT_HERE, INFO = "pass", "fail", "not measurable here", "info"
+#: The largest mean per-token |vLLM - FSDP| log-prob gap of a response on step 2 (nats) that a weight sync passes
+#: with: bf16 engines differ by ~1e-2 per token; weights the sync never delivered differ by the update's effect.
+SYNC_GAP_BOUND = 0.1
+#: The smallest share of responses ending on a stop id: below it the model does not stop (its format's end of turn
+#: is not among the stop ids, or the response limit is far too short).
+MIN_FINISHED_SHARE = 0.05
+#: A projected job of more than this many times App. D's GPU-hours fails: the rollout or the update is far slower
+#: than the paper's nodes ran it.
+MAX_TIME_RATIO = 2.0
+#: Libraries whose version the node must have, per backend; those only a GPU node can show are judged there only.
+LIBRARIES = {"local": ("torch", "transformers", "mlflow", "math-verify"),
+             "verl": ("torch", "transformers", "mlflow", "math-verify", "verl", "ray", "vllm", "flash-attn")}
+GPU_ONLY = ("vllm", "flash-attn")
+PREFLIGHT_TAG = schema.PREFLIGHT
+
+
+@dataclass
+class Check:
+    """One row of the report."""
+
+    check: str
+    model: str
+    status: str
+    measured: str
+    expected: str
+    fix: str = ""
+
+
+def miniature(cfg: DictConfig, checkpoint_root: Path) -> list[str]:
+    """The overrides that shrink the job ``cfg`` to a preflight: one minibatch of prompts (the method's own, HACPO's
+    64), two steps, a small validation and one evaluation run, a checkpoint each step."""
+    prompts_per_step = methods.resolve(cfg.method).minibatch_prompts(cfg.train)
+    return ["preflight=true", f"train.batch_prompts={prompts_per_step}", "train.max_steps=2", "train.save_every=1",
+            "eval.val_every=2", "eval.max_problems=4", "eval.runs=1", "eval.samples=1",
+            f"checkpoint_root={checkpoint_root}"]
+
+
+def requirement(dist: str, backend: str, gpu: bool):
+    """The project's requirement on ``dist`` (pyproject.toml): the ``verl`` extra's pin on a GPU node of
+    ``backend=verl``, else the base one; flash-attn's from the node check's install line."""
+    from packaging.requirements import Requirement
+
+    from graft_exp.config import FLASH_ATTN
+    if dist == "flash-attn":
+        return Requirement(FLASH_ATTN)
+    found = {}
+    for line in metadata.requires("graft_exp") or []:
+        req = Requirement(line)
+        if req.name != dist:
+            continue
+        extra = "verl" if req.marker is not None and req.marker.evaluate({"extra": "verl"}) else (
+            "" if req.marker is None else None)
+        if extra is not None:
+            found[extra] = req
+    return found.get("verl") if backend == "verl" and gpu and "verl" in found else found.get("", found.get("verl"))
+
+
+def check_packages(env: dict[str, str], backend: str) -> list[Check]:
+    """Each library the path needs, at the version the project pins, as the job's process recorded it."""
+    gpu = schema.ENV_GPU in env
+    rows = []
+    for dist in LIBRARIES[backend]:
+        recorded = env.get(schema.ENV_LIBRARY_TAGS[dist], "none")
+        req = requirement(dist, backend, gpu)
+        if dist in GPU_ONLY and not gpu:
+            rows.append(Check(f"package {dist}", "job", NOT_HERE, recorded, f"{req} on the GPU node"))
+        elif req is None or (recorded != "none" and req.specifier.contains(recorded, prereleases=True)):
+            rows.append(Check(f"package {dist}", "job", PASS, recorded, str(req or "installed")))
+        else:
+            rows.append(Check(f"package {dist}", "job", FAIL, recorded, str(req),
+                              f"pip install '{req}' in the job's environment"))
+    return rows
+
+
+def check_gpu(env: dict[str, str], plan: resources.Plan) -> Check:
+    if plan.gpus == 0:
+        return Check("GPU", "job", INFO, env.get(schema.ENV_GPU, "none"), "no GPU in the plan")
+    if schema.ENV_GPU not in env:
+        return Check("GPU", "job", NOT_HERE, "no GPU where the job ran", f"{plan.gpus} GPUs per node")
+    return Check("GPU", "job", PASS, f"{env[schema.ENV_GPU]}, CUDA {env.get(schema.ENV_CUDA)}", f"{plan.gpus} GPUs")
+
+
+def check_prompt(model: str, tags: dict[str, str]) -> Check:
+    """The rendered prompt holds the paper's message once, and the model has stop ids."""
+    rendered, stops = tags.get(schema.RENDERED_PROMPT, ""), tags.get(schema.STOP_IDS, "")
+    shown = rendered.replace("\n", "\\n")
+    if rendered.count(prompts.SUFFIX) != 1 or not stops:
+        return Check("prompt", model, FAIL, shown[-120:], "the paper's suffix once, stop ids recorded",
+                     f"check models.{model}.prompt_format (python -m graft_exp.prompts)")
+    return Check("prompt", model, PASS, f"{shown[-80:]} | stop ids {stops}", "the paper's suffix once")
+
+
+def check_stopping(model: str, log, limit: int) -> Check:
+    """How the model's responses of both steps ended: the share on a stop id, and their mean length."""
+    share, mean = float(log["finished"].mean()), float(log["num_tokens"].mean())
+    measured = f"{share:.0%} stopped, {mean:.0f} tokens on average"
+    if share < MIN_FINISHED_SHARE:
+        return Check("stopping", model, FAIL, measured, f">= {MIN_FINISHED_SHARE:.0%} end on a stop id (limit {limit})",
+                     f"responses do not stop: the end of turn of models.{model}.prompt_format must be among "
+                     "graft.stop_ids, and train.max_response_length must leave room for an answer")
+    return Check("stopping", model, PASS, measured, f">= {MIN_FINISHED_SHARE:.0%} end on a stop id (limit {limit})")
+
+
+def check_sync(model: str, gaps: dict[int, float]) -> Check:
+    """vLLM's log-probs of step 2's responses against the trainer's, after the first update was synced."""
+    if 2 not in gaps:
+        return Check("weight sync", model, NOT_HERE, "one engine samples and scores (backend=local)",
+                     f"gap <= {SYNC_GAP_BOUND} on step 2")
+    measured = f"{gaps[2]:.4f} (step 1: {gaps.get(1, float('nan')):.4f})"
+    if gaps[2] > SYNC_GAP_BOUND:
+        return Check("weight sync", model, FAIL, measured, f"<= {SYNC_GAP_BOUND} nats per token on step 2",
+                     "vLLM did not sample with the trainer's weights: check the weight sync (docs/verl.md)")
+    return Check("weight sync", model, PASS, measured, f"<= {SYNC_GAP_BOUND} nats per token on step 2")
+
+
+def check_host_memory(peak_gb: float | None, plan: resources.Plan) -> Check:
+    expected = f"<= {plan.slurm['mem_gb']} GB (the job's Slurm request)"
+    if peak_gb is None:
+        return Check("host memory", "job", NOT_HERE, "the job ran on another machine (sacct shows MaxRSS)", expected)
+    if peak_gb > plan.slurm["mem_gb"]:
+        return Check("host memory", "job", FAIL, f"{peak_gb:.1f} GB", expected,
+                     "the plan's host term is below what the job used: raise it (graft_exp/resources.py)")
+    return Check("host memory", "job", PASS, f"{peak_gb:.1f} GB", expected)
+
+
+def check_gpu_memory(env: dict[str, str], plan: resources.Plan) -> list[Check]:
+    rows = []
+    for pool in plan.pools:
+        expected = f"train {pool.gpu_mem_gb.train} GB, rollout {pool.gpu_mem_gb.rollout} GB per GPU (the plan)"
+        status = NOT_HERE if schema.ENV_GPU not in env else INFO
+        measured = "no GPU where the job ran" if status == NOT_HERE else "peak reserved not recorded by the job"
+        rows.append(Check("GPU memory", pool.model, status, measured, expected))
+    return rows
+
+
+def check_time(cfg: DictConfig, full: DictConfig, costs: list[tuple[int, float]]) -> Check:
+    """Device-hours of step 2 scaled to the full job (its prompts per step, its steps) beside App. D's figure."""
+    from graft_exp.launching.jobs import PAPER_STEPS, estimate_gpu_hours
+
+    per_step = dict(costs)
+    if 2 not in per_step:
+        return Check("time", "job", FAIL, "no step 2 recorded", "two steps", "see the job's log")
+    step = per_step[2] - per_step.get(1, 0.0)
+    steps = int(full.train.max_steps or PAPER_STEPS)
+    projected = step * int(full.train.batch_prompts) / int(cfg.train.batch_prompts) * steps
+    measured = f"{step * 3600:.1f} device-s per step; full job ~{projected:.2f} GPU-h ({steps} steps)"
+    if full.backend.name != "verl":
+        return Check("time", "job", INFO, measured, "App. D times the paper's GPU nodes")
+    paper = estimate_gpu_hours(full)
+    expected = f"App. D: {paper:.1f} GPU-h"
+    if projected > MAX_TIME_RATIO * paper:
+        return Check("time", "job", FAIL, measured, expected,
+                     "far slower than the paper's nodes: compare the rollout layout and vLLM's settings (docs/verl.md)")
+    return Check("time", "job", PASS, measured, expected)
+
+
+def check_checkpoint(folder: Path, plan: resources.Plan) -> Check:
+    """What the job's checkpoints (latest and best) hold on disk, beside the plan's peak."""
+    files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
+    size = sum(f.stat().st_size for f in files) / resources.GB
+    expected = f"<= {plan.peak_disk_gb} GB (the plan's peak)" if plan.peak_disk_gb else "written"
+    if not files:
+        return Check("checkpoint", "job", FAIL, f"nothing under {folder}", expected,
+                     "checkpoint_root must be writable from the node (a shared file system under Slurm)")
+    if plan.peak_disk_gb and size > plan.peak_disk_gb:
+        return Check("checkpoint", "job", FAIL, f"{size:.2f} GB", expected, "raise the plan's checkpoint term")
+    return Check("checkpoint", "job", PASS, f"{size:.3f} GB in {len(files)} files", expected)
+
+
+def check_job(run, rc: int) -> list[Check]:
+    """The job ran to its end and its run reached the store from where it ran."""
+    if run is None:
+        return [Check("job", "job", FAIL, f"exit status {rc}, no run recorded", "a FINISHED run",
+                      "the job's output above says why; the tracking store must be reachable from the node")]
+    status = run.info.status
+    host = run.data.tags.get(schema.HOST, "?")
+    rows = [Check("tracking", "job", PASS, f"run {run.info.run_id[:8]} recorded from {host}", "reached from the node")]
+    rows.append(Check("job", "job", PASS if status == "FINISHED" else FAIL, f"{status}, exit status {rc}",
+                      "FINISHED", "" if status == "FINISHED" else f"its log: {run.data.tags.get(schema.LOG, 'above')}"))
+    return rows
+
+
+def job_runs(client, cfg: DictConfig, since_ms: int):
+    """The preflight's job run (newest with the job's key since ``since_ms``) and its model runs by role."""
+    experiment = client.get_experiment_by_name(tracking.experiment_name(cfg))
+    if experiment is None:
+        return None, {}
+    found = client.search_runs([experiment.experiment_id],
+                               f"tags.`{schema.RUN_KEY}` = '{tracking.run_key(cfg)}' and attributes.start_time >= {since_ms}",
+                               order_by=["attributes.start_time DESC"])
+    job = next((r for r in found if "mlflow.parentRunId" not in r.data.tags), None)
+    if job is None:
+        return None, {}
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{job.info.run_id}'")
+    return job, {r.data.tags[schema.ROLE]: r for r in children}
+
+
+def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, since_ms: int) -> list[Check]:
+    """Every check of the preflight job ``cfg`` (the miniature of ``full``), from what it recorded."""
+    from mlflow import MlflowClient
+
+    from graft_exp.trajectories import read_log
+
+    client = MlflowClient(str(cfg.tracking.uri))
+    job, models = job_runs(client, cfg, since_ms)
+    rows = check_job(job, rc)
+    if job is None:
+        return rows
+    env, plan = job.data.tags, resources.job_plan(full)
+    rows += check_packages(env, str(cfg.backend.name)) + [check_gpu(env, plan)]
+    with tempfile.TemporaryDirectory() as scratch:
+        for role in roles(cfg.pair):
+            run = models.get(role)
+            model = str(cfg.pair[role])
+            if run is None:
+                rows.append(Check("model run", model, FAIL, "none", "one per model", "see the job's log"))
+                continue
+            rows.append(check_prompt(model, run.data.tags))
+            log = read_log(Path(client.download_artifacts(run.info.run_id, "trajectories", f"{scratch}/{role}")))
+            rows.append(check_stopping(model, log, int(cfg.train.max_response_length)))
+            gaps = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/rollout_logprob_gap")}
+            rows.append(check_sync(model, gaps))
+    rows += [check_host_memory(peak_gb, plan), *check_gpu_memory(env, plan)]
+    costs = [(m.step, m.value) for m in client.get_metric_history(job.info.run_id, schema.GPU_HOURS)]
+    rows.append(check_time(cfg, full, costs))
+    rows.append(check_checkpoint(Path(cfg.checkpoint_root) / tracking.run_key(cfg), plan))
+    verdict = FAIL if any(r.status == FAIL for r in rows) else PASS
+    client.set_tag(job.info.run_id, PREFLIGHT_TAG, verdict)
+    client.log_text(job.info.run_id, json.dumps([asdict(r) for r in rows], indent=1), "preflight/report.json")
+    client.log_text(job.info.run_id, markdown(rows), "preflight/report.md")
+    return rows
+
+
+def markdown(rows: list[Check]) -> str:
+    lines = ["| check | model | status | measured | expected | fix |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r.check} | {r.model} | {r.status} | {r.measured.replace('|', '/')} | {r.expected} | {r.fix} |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def show(rows: list[Check]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    colour = {PASS: "green", FAIL: "bold red", NOT_HERE: "yellow", INFO: "cyan"}
+    table = Table(title="preflight")
+    for column in ("check", "model", "status", "measured", "expected"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        table.add_row(r.check, r.model, f"[{colour[r.status]}]{r.status}[/]", r.measured, r.expected)
+    console = Console(width=max(Console().width, 160))
+    console.print(table)
+    for r in rows:
+        if r.status == FAIL:
+            console.print(f"[bold red]fail[/] {r.check} ({r.model}): {r.fix}", markup=True, highlight=False)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    from graft_exp.launching.jobs import Composer
+
+    return Composer().compose(overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    try:
+        full = compose(overrides)
+        root = Path(str(full.checkpoint_root)).resolve() / "preflight" / time.strftime("%Y%m%d-%H%M%S")
+        shape = miniature(full, root)
+        cfg = compose(overrides + shape)
+        validate_job(cfg)
+        resources.check(resources.job_plan(cfg), cfg)
+        tracking.check_store(str(cfg.tracking.uri))
+    except (ConfigError, tracking.TrackingError) as err:
+        print(f"preflight: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:   # a typo in an override: Hydra's own message, in one line
+        print(f"preflight: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "graft_exp", *(["-m"] if cfg.cluster.name != "local" else []), *overrides, *shape]
+    print("preflight:", " ".join(command[1:]), flush=True)
+    since_ms = int(time.time() * 1000) - 1000
+    rc = subprocess.run(command).returncode
+    # The job's process ran here (cluster=local): its peak resident memory is the host figure.
+    peak_gb = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / resources.GB
+               if cfg.cluster.name == "local" else None)
+    rows = report(cfg, full, rc, peak_gb, since_ms)
+    show(rows)
+    return 1 if any(r.status == FAIL for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

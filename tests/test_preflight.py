@@ -1,0 +1,131 @@
+"""``python -m graft_exp.preflight``: the tiny pair's job in miniature through the in-process launcher, its report
+from what the job recorded, kept out of every analysis; and each check failing for its own cause, with the line
+that says what to change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from graft_exp import preflight, resources, schema
+from graft_exp.preflight import FAIL, NOT_HERE, PASS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_preflight(tmp_path: Path, new_store, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
+    uri = new_store(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "graft_exp.preflight", f"tracking.uri={uri}",
+                           f"checkpoint_root={tmp_path}/ckpt", "backend.progress=false", *overrides],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    return done, uri
+
+
+@pytest.mark.slow
+def test_the_tiny_pair_passes_its_preflight_and_no_analysis_sees_it(tmp_path, new_store):
+    from analysis.store import StoreUnavailable, graft_experiments
+
+    done, uri = run_preflight(tmp_path, new_store)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    client = MlflowClient(uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name.startswith("graft-preflight/")]
+    (job,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+    assert job.data.tags[preflight.PREFLIGHT_TAG] == PASS and job.info.status == "FINISHED"
+    report = Path(client.download_artifacts(job.info.run_id, "preflight/report.md", str(tmp_path)))
+    rows = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line.split("|")[3].strip()
+            for line in report.read_text().splitlines()[2:]}
+    for model in ("tiny-char-llama", "tiny-bpe-gpt2"):
+        assert rows["prompt", model] == rows["stopping", model] == PASS
+        assert rows["weight sync", model] == NOT_HERE     # one engine on the local backend: never a pass
+    assert rows["job", "job"] == rows["tracking", "job"] == rows["checkpoint", "job"] == rows["host memory", "job"] == PASS
+    assert rows["package torch", "job"] == PASS
+    assert "preflight" in done.stdout and "tiny-char-llama" in done.stdout
+    with pytest.raises(StoreUnavailable, match="no experiment whose name starts with 'graft/'"):
+        graft_experiments(client, None)   # the analysis, comparisons and run lookups read graft/ only
+
+
+@pytest.mark.slow
+def test_responses_that_never_stop_fail_the_stopping_check(tmp_path, new_store):
+    """A response limit with no room for an answer: nothing ends on a stop id."""
+    done, _ = run_preflight(tmp_path, new_store, "train.max_response_length=2")
+    assert done.returncode == 1
+    assert "fail stopping (tiny-char-llama): responses do not stop" in " ".join(done.stdout.split())
+
+
+def test_a_dead_store_stops_the_preflight_before_anything_runs(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "graft_exp.preflight", "tracking.uri=http://127.0.0.1:9",
+                           f"checkpoint_root={tmp_path}/ckpt"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("preflight: ") and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_library_at_another_version_fails_with_its_install_line():
+    env = {schema.ENV_LIBRARY_TAGS["torch"]: "2.11.0", schema.ENV_LIBRARY_TAGS["transformers"]: "5.9.0",
+           schema.ENV_LIBRARY_TAGS["mlflow"]: "3.16.0", schema.ENV_LIBRARY_TAGS["math-verify"]: "0.9.0"}
+    rows = {r.check: r for r in preflight.check_packages(env, "local")}
+    assert rows["package mlflow"].status == FAIL and rows["package mlflow"].fix == \
+        "pip install 'mlflow[auth]==3.17.2' in the job's environment"
+    assert rows["package torch"].status == PASS
+    on_a_gpu = {**env, schema.ENV_GPU: "NVIDIA H200", schema.ENV_LIBRARY_TAGS["flash-attn"]: "none",
+                schema.ENV_LIBRARY_TAGS["vllm"]: "0.24.0", schema.ENV_LIBRARY_TAGS["verl"]: "0.9.1",
+                schema.ENV_LIBRARY_TAGS["ray"]: "2.60.0"}
+    rows = {r.check: r for r in preflight.check_packages(on_a_gpu, "verl")}
+    assert rows["package flash-attn"].status == FAIL and "flash-attn==2.8.3" in rows["package flash-attn"].fix
+    assert rows["package vllm"].status == rows["package torch"].status == PASS   # the verl extra's pins on a GPU
+    rows = {r.check: r for r in preflight.check_packages({**env, schema.ENV_LIBRARY_TAGS["vllm"]: "none"}, "verl")}
+    assert rows["package vllm"].status == rows["package flash-attn"].status == NOT_HERE   # no GPU: never a pass
+
+
+def test_a_sync_that_delivers_nothing_fails_the_weight_sync_check():
+    """vLLM's log-probs of the responses it sampled against the trainer's: the same weights give a gap of kernel
+    noise; weights the engine never received (those of another update) give the update's effect."""
+    from verl import DataProto
+
+    from graft_exp.backends.verl import batch as vb
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 50, generator=generator)
+    tokens = torch.randint(0, 50, (4, 6), generator=generator)
+    trainer = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    stale = torch.log_softmax(logits + 0.8 * torch.randn(4, 6, 50, generator=generator), -1).gather(
+        -1, tokens[..., None])[..., 0]
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+
+    def gap(rollout):
+        batch = DataProto.from_dict(tensors={"rollout_log_probs": rollout, "old_log_probs": trainer,
+                                             "response_mask": mask})
+        return vb.logprob_gap(batch)
+
+    synced, unsynced = gap(trainer + 1e-3 * torch.randn(4, 6, generator=generator)), gap(stale)
+    assert synced < 2e-3 and unsynced > preflight.SYNC_GAP_BOUND
+    assert preflight.check_sync("qwen3-1.7b-base", {1: synced, 2: synced}).status == PASS
+    failed = preflight.check_sync("qwen3-1.7b-base", {1: synced, 2: unsynced})
+    assert failed.status == FAIL and "weight sync" in failed.fix
+    assert vb.logprob_gap(DataProto.from_dict(tensors={"old_log_probs": trainer, "response_mask": mask})) is None
+
+
+def test_a_plan_below_the_measured_peak_fails(compose_cfg):
+    plan = resources.job_plan(compose_cfg())
+    assert preflight.check_host_memory(plan.slurm["mem_gb"] - 0.5, plan).status == PASS
+    over = preflight.check_host_memory(plan.slurm["mem_gb"] + 0.5, plan)
+    assert over.status == FAIL and "raise it" in over.fix
+    assert preflight.check_host_memory(None, plan).status == NOT_HERE
+
+
+def test_a_job_far_slower_than_the_paper_s_fails_the_time_check(compose_cfg):
+    """Step 2's device-hours scaled to the full job (its prompts per step, its 174 steps) against App. D."""
+    full = compose_cfg("pair=pair1", "backend=verl", "cluster=slurm")
+    mini = compose_cfg("pair=pair1", "backend=verl", "cluster=slurm", *preflight.miniature(full, Path("/tmp/x")))
+    assert int(mini.train.batch_prompts) == 32 and int(mini.train.max_steps) == 2
+    per_step_ok = 43.3 / 174 / 4     # GRAFT on pair 1: 43.3 GPU-h, 174 steps of 128 prompts (32 here)
+    assert preflight.check_time(mini, full, [(1, per_step_ok), (2, 2 * per_step_ok)]).status == PASS
+    slow = preflight.check_time(mini, full, [(1, per_step_ok), (2, 4 * per_step_ok)])
+    assert slow.status == FAIL and "App. D: 43.3 GPU-h" == slow.expected
