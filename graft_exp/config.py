@@ -189,7 +189,7 @@ class VerlBackendConfig:
 
     name: str = "verl"
     gpus_per_model: int = 2
-    rollout_tp: int = 2
+    rollout_tp: int = 1
     gpu_memory_utilization: float = 0.6
     max_token_len_per_gpu: int = 16384
     gradient_checkpointing: bool = True

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from graft_exp import methods, prompts, resources, schema, tracking
 from graft_exp.config import ConfigError, roles, validate_job
@@ -308,13 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, tracking.TrackingError) as err:
         print(f"preflight: {err}", file=sys.stderr)
         return 2
-    except Exception as err:   # a typo in an override: Hydra's own message, in one line
+    except (HydraException, OmegaConfBaseException) as err:   # a typo in an override: Hydra's message, one line
         print(f"preflight: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "graft_exp", *(["-m"] if cfg.cluster.name != "local" else []), *overrides, *shape]
     print("preflight:", " ".join(command[1:]), flush=True)
     since_ms = int(time.time() * 1000) - 1000
-    rc = subprocess.run(command).returncode
+    rc = subprocess.run(command, check=False).returncode
     # The job's process ran here (cluster=local): its peak resident memory is the host figure.
     peak_gb = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / resources.GB
                if cfg.cluster.name == "local" else None)

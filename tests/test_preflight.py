@@ -22,7 +22,7 @@ def run_preflight(tmp_path: Path, new_store, *overrides: str) -> tuple[subproces
     uri = new_store(tmp_path)
     done = subprocess.run([sys.executable, "-m", "graft_exp.preflight", f"tracking.uri={uri}",
                            f"checkpoint_root={tmp_path}/ckpt", "backend.progress=false", *overrides],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     return done, uri
 
 
@@ -60,7 +60,7 @@ def test_responses_that_never_stop_fail_the_stopping_check(tmp_path, new_store):
 def test_a_dead_store_stops_the_preflight_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "graft_exp.preflight", "tracking.uri=http://127.0.0.1:9",
                            f"checkpoint_root={tmp_path}/ckpt"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith("preflight: ") and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "mlflow.db").exists()

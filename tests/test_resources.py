@@ -30,7 +30,7 @@ def test_pair1_and_trio_ask_slurm_for_what_their_members_need(compose_cfg):
     """pair1: two pools of 2 GPUs; trio: three, whose placement groups alone reserve 3 Ray CPUs per GPU = 18
     (the old cluster.resources default asked for 8 CPUs and 64 GB for any pair not listed by name)."""
     _, pair1 = _plan(compose_cfg, "pair=pair1")
-    assert pair1.slurm == {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 29, "mem_gb": 88}
+    assert pair1.slurm == {"nodes": 1, "gpus_per_node": 4, "cpus_per_task": 29, "mem_gb": 96}
     _, trio = _plan(compose_cfg, "group=trio")
     assert [p.model for p in trio.pools] == ["smollm3-3b-base", "qwen3-1.7b-base", "octothinker-3b-hybrid-base"]
     assert trio.ray_cpus == 18 and trio.slurm["gpus_per_node"] == 6
@@ -38,7 +38,7 @@ def test_pair1_and_trio_ask_slurm_for_what_their_members_need(compose_cfg):
     assert trio.slurm["mem_gb"] >= trio.host_mem_gb > pair1.host_mem_gb
     jobs = [PlannedJob(0, ["group=trio"], compose_cfg("backend=verl", "group=trio", "cluster=slurm"))]
     plans, problems = check_plans(jobs, set(), OmegaConf.create({}), set())
-    assert not problems and slurm_request(plans, set()) == {"gpus_per_node": 6, "cpus_per_task": 43, "mem_gb": 136}
+    assert not problems and slurm_request(plans, set()) == {"gpus_per_node": 6, "cpus_per_task": 43, "mem_gb": 152}
 
 
 def test_overridden_slurm_request_below_the_plan_is_refused(compose_cfg):
@@ -46,7 +46,7 @@ def test_overridden_slurm_request_below_the_plan_is_refused(compose_cfg):
     launcher = OmegaConf.create({"cpus_per_task": 8})
     plans, problems = check_plans(jobs, set(), launcher, {"cpus_per_task"})
     assert len(problems) == 1 and "hydra.launcher.cpus_per_task=8 is below its plan's 43" in problems[0]
-    assert slurm_request(plans, {"cpus_per_task"}) == {"gpus_per_node": 6, "mem_gb": 136}   # the user's key stays
+    assert slurm_request(plans, {"cpus_per_task"}) == {"gpus_per_node": 6, "mem_gb": 152}   # the user's key stays
 
 
 def test_job_whose_other_member_finished_asks_for_its_own_pool(compose_cfg):
@@ -213,7 +213,7 @@ def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]   # one line
     assert done.stderr.startswith("plan refused: backend.gpu_memory_utilization=0.6 of a 40 GB GPU")
-    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=88G" in done.stdout
+    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=96G" in done.stdout
 
 
 def test_launch_callback_sets_the_slurm_request_from_the_plans(tmp_path):

@@ -26,15 +26,15 @@ JOB_KEYS = {
     "group=tiny3": "906c1e6f87196aa2",
     "method=grpo_n32 train.max_gpu_hours=0.05": "c421105acc414e77",
     "method=graft train.gpu_hours_of=ac2eaaafd74f01f9": "f48f61094c381b4a",
-    "pair=pair1 backend=verl": "49a40f832e4ef7da",
-    "pair=pair2 backend=verl cluster=slurm method=sgt": "4e8ec75bb8048259",
-    "pair=pair3 backend=verl method=grpo_ds seed=2": "ab538f7f79b74c78",
-    "group=trio backend=verl": "f2a6d61e48554cb6",
-    "pair=tiny_verl backend=verl": "af7935c46ee05d5f",
+    "pair=pair1 backend=verl": "c600de0d992ed51d",
+    "pair=pair2 backend=verl cluster=slurm method=sgt": "678e2ce8761472d8",
+    "pair=pair3 backend=verl method=grpo_ds seed=2": "366ef2c9ea02f916",
+    "group=trio backend=verl": "a49e0328a06f6062",
+    "pair=tiny_verl backend=verl": "f1b88e60f63705bf",
 }
 MODEL_KEYS = {
-    "pair=pair1 backend=verl method=grpo_n8": "691e3042fff99f87",   # Qwen3's GRPO baseline, shared by the pairs
-    "pair=pair2 backend=verl method=grpo_n8": "691e3042fff99f87",
+    "pair=pair1 backend=verl method=grpo_n8": "d542bcdc8f1556ca",   # Qwen3's GRPO baseline, shared by the pairs
+    "pair=pair2 backend=verl method=grpo_n8": "d542bcdc8f1556ca",
     "method=graft": "70125bcdb00ea7a3",
 }
 

@@ -70,7 +70,7 @@ def test_table3_defaults_in_verl_config(pair1_graft, tmp_path):
     assert actor.fsdp_config.dtype == "bfloat16" and rollout.dtype == "bfloat16"
     assert config.trainer.total_epochs == 3 and config.trainer.test_freq == 5
     assert config.trainer.balance_batch is False            # replaced by our per-minibatch DP layout
-    assert config.trainer.n_gpus_per_node == 2 and rollout.tensor_model_parallel_size == 2
+    assert config.trainer.n_gpus_per_node == 2 and rollout.tensor_model_parallel_size == 1   # a replica per GPU
     assert data.val_files[-1].endswith("minerva/test.parquet")
     validate_config(config, use_reference_policy=False, use_critic=False)
 
@@ -93,7 +93,7 @@ def test_verl_overrides_and_placement_errors(tmp_path):
     with pytest.raises(ValueError, match="needs 6 GPUs"):
         placement(_compose("pair=pair1", "backend.gpus_per_model=3"))
     with pytest.raises(ValueError, match="multiple of backend.rollout_tp"):
-        placement(_compose("pair=pair1", "backend.gpus_per_model=1"))
+        placement(_compose("pair=pair1", "backend.gpus_per_model=1", "backend.rollout_tp=2"))
 
 
 LOSS_KINDS = {"graft_seq_ratio": "sequence_ratio", "graft_luffy": "luffy", "sgt": "sgt", "sgt_which": "sgt",

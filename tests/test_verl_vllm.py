@@ -85,6 +85,9 @@ VLLM_SETTINGS = (
     "actor_rollout_ref.rollout.enforce_eager=True",
     "actor_rollout_ref.rollout.max_num_seqs=64",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=96",
+    # FSDP2 builds the frozen reference model with CPUOffloadPolicy(pin_memory=True) (verl 0.9.1's
+    # transformer_impl), and pinned host memory needs a GPU: here the reference (HACPO's) is FSDP1; the actor FSDP2.
+    "actor_rollout_ref.ref.strategy=fsdp",
 )
 #: Every token the trainer scores costs a row of 128,256-151,936 logits (about 40x the old tiny tokenizers' work
 #: per token on two cores): 4 samples per prompt, 2 problems per benchmark and validation before training and at

@@ -109,7 +109,7 @@ def logprob_gap(batch: DataProto) -> float | None:
     """The largest mean per-token |rollout - trainer| log-prob gap of a response: vLLM's log-probs of the tokens it
     sampled (``rollout_log_probs``) against the FSDP workers' (``old_log_probs``) under the weights the engine was
     just sent. Near 0 where the sync delivered the weights (kernels and precision apart); None without vLLM's."""
-    if "rollout_log_probs" not in batch.batch.keys():
+    if "rollout_log_probs" not in batch.batch:
         return None
     mask = batch.batch["response_mask"].float()
     gap = (batch.batch["rollout_log_probs"].float() - batch.batch["old_log_probs"].float()).abs() * mask

@@ -182,7 +182,10 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
                 "enable_gradient_checkpointing": bool(backend.gradient_checkpointing),
             },
             "actor": {
-                "strategy": "fsdp",
+                # FSDP2 (per-parameter DTensor sharding), the engine the plan's memory terms were measured on
+                # (benchmarks/fsdp_step_memory.py); verl 0.9.1's "fsdp" builds FSDP1, which reserved 3-7 GB more
+                # per GPU for the 3B models on an H200 (docs/verl.md, "Defaults on a GPU cluster").
+                "strategy": "fsdp2",
                 "ppo_mini_batch_size": minibatch_prompts(cfg),
                 "ppo_epochs": int(train.ppo_epochs),
                 "shuffle": False,
