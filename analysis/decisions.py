@@ -76,7 +76,8 @@ def verdicts(client: MlflowClient, run, folder: Path) -> pd.DataFrame:
         x = np.array([by_seed[method][s] for s in seeds])
         y = np.array([by_seed[reference][s] for s in seeds])
         lo, hi = decided["intervals"][label]
-        rows.append({"sweep": run.data.tags.get(schema.SWEEP), "comparison": label,
+        rows.append({"sweep": run.data.tags.get(schema.SWEEP), "rule": params.get("decide_rule", "adastop"),
+                     "comparison": label,
                      "verdict": verdict if verdict != "continue" else "undecided (stopped before the cap)",
                      "seeds": len(seeds), "seed list": " ".join(map(str, seeds)),
                      "round": decided["index"], "mean diff": float(np.mean(x - y)),

@@ -146,3 +146,83 @@ def test_rliable_measures_of_one_task():
     assert out["IQM ref lo"] <= 3.5 <= out["IQM ref hi"]
     even = rliable_measures(reference, reference)
     assert even["P(improve)"] == 0.5
+
+
+# ------------------------------------------------------------------ the paired rule
+def test_the_sign_flip_p_value_by_hand():
+    """[1, 2, 3]: the 8 sign patterns sum to +-6, +-4, +-2, +-0 (|.|: 6, 4, 2, 0, 0, 2, 4, 6); 2 reach 6."""
+    from graft_exp.sweep.decide import sign_flip_p
+
+    rng = np.random.default_rng(0)
+    assert sign_flip_p(np.array([1.0, 2.0, 3.0]), 100, rng) == 2 / 8
+    assert sign_flip_p(np.array([1.0, -2.0, 3.0]), 100, rng) == 6 / 8     # |2| reached by 6 of 8
+    assert sign_flip_p(np.ones(8), 100, rng) == 2 / 256                  # the smallest p of 8 seeds
+    many = sign_flip_p(np.ones(20), 999, rng)                            # Monte Carlo past 16: (1 + hits) / (B + 1)
+    assert 1 / 1000 <= many <= 3 / 1000
+
+
+def test_the_level_goes_to_the_looks_that_can_reject():
+    """Four seeds cannot reach p <= 0.05 (2/16 = 0.125): the first look gets nothing, the others half each."""
+    from graft_exp.sweep.decide import look_levels
+
+    assert look_levels(0.05, [4, 8, 12], 2) == [0.0, 0.025, 0.025]
+    assert look_levels(0.05, [8, 16, 24], 2) == pytest.approx([0.05 / 3] * 3)
+    assert sum(look_levels(0.05, [4, 8, 12, 16], 3)) == pytest.approx(0.05)
+
+
+def test_the_paired_rule_sees_a_difference_the_seed_effect_hides_from_adastop():
+    """A seed effect of +-15 points shared by both methods, a true gain of 2 points with little noise of its own: every
+    per-seed difference is positive, so the paired rule decides at 8 seeds; AdaStop, comparing two samples, sees the
+    seed effect as noise."""
+    rng = np.random.default_rng(3)
+    effect = rng.normal(0, 15, 12)
+    scores = {"grpo_n8": {s: 40 + effect[s] + rng.normal(0, 0.3) for s in range(12)},
+              "graft": {s: 42 + effect[s] + rng.normal(0, 0.3) for s in range(12)}}
+    found = {}
+    for rule in ("paired", "adastop"):
+        decider = Decider(Settings((("graft", "grpo_n8"),), alpha=0.05, margin=1.0, per_round=4, max_seeds=12,
+                                   permutations=2000, rule=rule))
+        for k in range(3):
+            seeds = list(range(4 * k, 4 * k + 4))
+            record = decider.look(seeds, {m: {s: v[s] for s in seeds} for m, v in scores.items()})
+            if decider.finished:
+                break
+        found[rule] = (record.decisions["graft vs grpo_n8"], len(decider.seeds))
+    assert found["paired"] == (BETTER, 8)
+    assert found["adastop"][0] != BETTER
+
+
+def test_the_paired_rule_stops_early_for_equivalence():
+    scores = synthetic(range(4), {"graft": 0.0, "sgt": 0.0}, sd=0.05)
+    for rule, expected in (("paired", EQUIVALENT), ("adastop", CONTINUE)):
+        decider = Decider(Settings(PAIRS, alpha=0.05, margin=1.0, per_round=4, max_seeds=12, permutations=500,
+                                   rule=rule))
+        record = decider.look(list(range(4)), scores)
+        assert set(record.decisions.values()) == {expected}, rule
+
+
+def test_a_sweep_is_not_resumed_under_another_rule(tmp_path, new_store):
+    """An until-decided run that did not finish keeps its rule: a rerun naming the other one stops in one line."""
+    from types import SimpleNamespace
+
+    from graft_exp import schema
+
+    uri = new_store(tmp_path)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("graft/tiny_decide")
+    sweep = SimpleNamespace(uri=uri, study="tiny_decide", path="sweeps/tiny_decide.yaml")
+    run = client.create_run(experiment, tags={schema.ANALYSIS: "until-decided", schema.SWEEP: sweep.path})
+    client.log_param(run.info.run_id, until.RULE_PARAM, "adastop")
+    paired = Settings(PAIRS, alpha=0.05, margin=1.0, per_round=4, max_seeds=12, rule="paired")
+    with pytest.raises(DecideError, match="started with decide.rule=adastop and has not finished"):
+        until.check_resumed_rule(sweep, paired)
+    until.check_resumed_rule(sweep, Settings(PAIRS, alpha=0.05, margin=1.0, per_round=4, max_seeds=12))
+    client.set_terminated(run.info.run_id, "FINISHED")
+    until.check_resumed_rule(sweep, paired)    # a finished sweep may be decided again under another rule
+
+
+def test_an_unknown_rule_is_refused(tmp_path):
+    spec = {"study": "x", "runs": [{"seed": [0, 1, 2, 3]}],
+            "decide": {"comparisons": [["graft", "grpo_n8"]], "rule": "bayes"}}
+    with pytest.raises(DecideError, match="decide.rule='bayes' is not one of adastop, paired"):
+        settings(spec, [0, 1, 2, 3], None, "x.yaml")

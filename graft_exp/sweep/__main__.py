@@ -50,7 +50,7 @@ from graft_exp.sweep.decide import DecideError, settings
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import SweepError, load, plan
 from graft_exp.sweep.state import console, report, snapshot
-from graft_exp.sweep.until import file_seeds, launcher, until_decided
+from graft_exp.sweep.until import check_resumed_rule, file_seeds, launcher, until_decided
 
 
 def invalid_jobs(sweep) -> list[str]:
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             if absent:
                 raise DecideError(f"{args.sweep}: decide.comparisons names {', '.join(absent)}, which no grid of "
                                   f"`runs:` trains; add it to a grid or remove the comparison")
+            check_resumed_rule(sweep, decide)
     except (SweepError, DecideError) as err:
         console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         return 2

@@ -21,6 +21,23 @@ difference with the permutation distribution of the signed maximum but rejects o
 a two-sided test at ``alpha`` rejects a true null about twice as often as ``alpha``; by the symmetry of the
 permutation distribution, calling it at ``alpha / 2`` bounds the two-sided family-wise error by ``alpha``.
 
+``rule: paired`` (``PairedTest``) tests the same comparisons on the per-seed differences instead: the jobs of one
+seed share its prompt order, sampling stream and evaluation draws, so a seed effect common to every method cancels
+in the difference, where AdaStop, comparing two samples, spends it as noise. At look k (n_k seeds) each live
+comparison's two-sided p-value is the exact sign-flip permutation test of the mean difference (Fisher 1935; Good,
+"Permutation, Parametric and Bootstrap Tests of Hypotheses", 2005, ch. 3): under the null the differences are
+symmetric about 0, so each of the 2^n sign patterns is equally likely (enumerated up to 16 seeds, else a seeded
+Monte Carlo sample with the +1 correction of Phipson and Smyth 2010). The level is spent over the looks (a
+Bonferroni alpha-spending in the sense of Lan and DeMets 1983, split equally over the looks whose smallest
+attainable p-value can reach their share: with 4 seeds a look cannot reject, 2/2^4 > alpha), and within a look over
+the m comparisons (Bonferroni, rejecting at alpha_k / m). Every p-value is valid whatever happened at earlier looks,
+so the family-wise error of "better"/"worse" claims is at most sum_k alpha_k = alpha under any stopping, including
+the rule's own (a union bound; no step-down: with comparisons dropped for equivalence, Holm's thresholds would not
+be bounded by alpha_k / m). A comparison also stops, early, as "equivalent" once its adjusted interval (below) lies
+within +-margin. Assumed: the differences are independent across seeds and symmetric about their mean under the
+null. That fails when methods differ in the shape of their noise, not only its scale (a skewed score distribution
+with unequal spreads), and with seeds that are not exchangeable (a seed reused across rounds).
+
 The adjusted interval of a comparison is the paired (same seed) Student-t interval at level
 ``1 - alpha / (m K)`` (Bonferroni over the m comparisons and K possible looks), so every interval the
 procedure can show covers its true difference simultaneously with probability >= 1 - alpha, whenever it
@@ -37,8 +54,15 @@ import numpy as np
 
 from graft_exp.intervals import paired_interval
 
-RULE = ("AdaStop (Mathieu et al. 2023), adastop==0.1.3, at alpha/2 for a two-sided family-wise error "
-        "<= alpha; adjusted intervals: paired Student-t at 1 - alpha/(m K) (Bonferroni over comparisons and looks)")
+_INTERVALS = "adjusted intervals: paired Student-t at 1 - alpha/(m K) (Bonferroni over comparisons and looks)"
+#: The rules a ``decide:`` section may name (``rule:``), each as the MLflow record describes it.
+RULES = {
+    "adastop": "AdaStop (Mathieu et al. 2023), adastop==0.1.3, at alpha/2 for a two-sided family-wise error "
+               f"<= alpha; {_INTERVALS}",
+    "paired": "paired sign-flip permutation test per look (exact to 16 seeds), alpha spent equally over the looks "
+              f"that can reject and split over comparisons (Bonferroni); early equivalence; {_INTERVALS}",
+}
+RULE = RULES["adastop"]
 BETTER, WORSE, EQUIVALENT, UNDECIDED, CONTINUE = "better", "worse", "equivalent", "undecided at the cap", "continue"
 
 
@@ -53,8 +77,13 @@ class Settings:
     margin: float
     per_round: int                               # seeds a round adds (the file's seed count)
     max_seeds: int
-    permutations: int = 10_000                   # AdaStop's B
-    seed: int = 0                                # AdaStop's permutation stream: a rerun decides the same
+    permutations: int = 10_000                   # AdaStop's B; the paired rule's Monte Carlo sample past 16 seeds
+    seed: int = 0                                # the permutation stream: a rerun decides the same
+    rule: str = "adastop"                        # a key of RULES
+
+    @property
+    def description(self) -> str:
+        return RULES[self.rule]
 
     @property
     def rounds(self) -> int:
@@ -92,8 +121,11 @@ def settings(spec: dict, seeds: list[int], max_seeds: int | None, path) -> Setti
     if cap < 2 * len(seeds):
         raise DecideError(f"--max-seeds={cap} leaves no second round: a round adds {len(seeds)} seeds (the file's "
                           f"seeds), so the cap must be at least {2 * len(seeds)}")
+    rule = str(section.get("rule", "adastop"))
+    if rule not in RULES:
+        raise DecideError(f"{path}: decide.rule={rule!r} is not one of {', '.join(RULES)}")
     return Settings(tuple(comparisons), alpha, margin, len(seeds), cap,
-                    int(section.get("permutations", 10_000)), int(section.get("seed", 0)))
+                    int(section.get("permutations", 10_000)), int(section.get("seed", 0)), rule)
 
 
 def adjusted_interval(diffs: np.ndarray, s: Settings) -> tuple[float, float]:
@@ -122,8 +154,71 @@ class Round:
         return json.dumps(self.__dict__, indent=1, default=float)
 
 
+def sign_flip_p(diffs: np.ndarray, permutations: int, rng: np.random.Generator) -> float:
+    """Two-sided p-value of the mean of ``diffs`` under sign flips: the share of the 2^n sign patterns whose
+    |mean| reaches the observed one (exact to 16 values; beyond, ``permutations`` random patterns, +1 corrected)."""
+    n = len(diffs)
+    observed = abs(float(diffs.sum())) * (1 - 1e-12)
+    if n <= 16:
+        signs = 1 - 2 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)
+        return float(np.mean(np.abs(signs @ diffs) >= observed))
+    signs = rng.choice((-1.0, 1.0), size=(permutations, n))
+    return float((1 + np.sum(np.abs(signs @ diffs) >= observed)) / (permutations + 1))
+
+
+def look_levels(alpha: float, sizes: list[int], comparisons: int) -> list[float]:
+    """alpha spent over the looks of ``sizes`` seeds: equally over those whose smallest attainable sign-flip p-value
+    (2 / 2^n) can reach their share of alpha / comparisons; 0 for the others."""
+    live = list(range(len(sizes)))
+    while live and 2.0 ** (1 - sizes[live[0]]) > alpha / (len(live) * comparisons):
+        live.pop(0)
+    return [alpha / len(live) if k in live else 0.0 for k in range(len(sizes))]
+
+
+class AdaStopTest:
+    """AdaStop's verdicts over the whole family after each look (it keeps its own state across looks)."""
+
+    early_equivalence = False   # AdaStop decides "no difference" only at the cap
+
+    def __init__(self, s: Settings):
+        from adastop import MultipleAgentsComparator  # imported here: only --until-decided needs it
+
+        index = {m: i for i, m in enumerate(s.methods)}
+        self.comparator = MultipleAgentsComparator(
+            n=s.per_round, K=s.rounds, B=s.permutations, alpha=s.alpha / 2, beta=0, seed=s.seed,
+            comparisons=np.array([(index[a], index[b]) for a, b in s.comparisons]))
+
+    def verdicts(self, values: dict[str, np.ndarray], diffs: dict[int, np.ndarray], look: int) -> dict[int, str | None]:
+        self.comparator.partial_compare(values, verbose=False)
+        found = [self.comparator.decisions[str(comp)] for comp in self.comparator.comparisons]
+        return {j: found[j] if found[j] in ("larger", "smaller") else None for j in diffs}
+
+
+class PairedTest:
+    """The paired sign-flip rule (module docstring): each live comparison's per-seed differences at this look."""
+
+    early_equivalence = True
+
+    def __init__(self, s: Settings):
+        self.s = s
+        self.levels = look_levels(s.alpha, [(k + 1) * s.per_round for k in range(s.rounds)], len(s.comparisons))
+        self.rng = np.random.default_rng(s.seed)
+
+    def verdicts(self, values: dict[str, np.ndarray], diffs: dict[int, np.ndarray], look: int) -> dict[int, str | None]:
+        level = self.levels[look] / len(self.s.comparisons)
+        out = {}
+        for j, d in diffs.items():
+            significant = level > 0 and sign_flip_p(d, self.s.permutations, self.rng) <= level
+            out[j] = ("larger" if d.mean() > 0 else "smaller") if significant else None
+        return out
+
+
+TESTS = {"adastop": AdaStopTest, "paired": PairedTest}
+
+
 class Decider:
-    """AdaStop over the family of comparisons, fed one round of seeds at a time.
+    """The sweep file's rule (``Settings.rule``: AdaStop, or the paired test) over the family of comparisons, fed
+    one round of seeds at a time.
 
     ``look(seeds, scores)``: ``scores[method][seed]`` (points) of the round's jobs (earlier rounds' are kept);
     returns the round's record.
@@ -131,13 +226,8 @@ class Decider:
     its rounds from MLflow and reaches the same state)."""
 
     def __init__(self, s: Settings):
-        from adastop import MultipleAgentsComparator  # imported here: only --until-decided needs it
-
         self.s = s
-        index = {m: i for i, m in enumerate(s.methods)}
-        self.comparator = MultipleAgentsComparator(
-            n=s.per_round, K=s.rounds, B=s.permutations, alpha=s.alpha / 2, beta=0, seed=s.seed,
-            comparisons=np.array([(index[a], index[b]) for a, b in s.comparisons]))
+        self.test = TESTS[s.rule](s)
         self.rounds: list[Round] = []
         self.seeds: list[int] = []
         self.scores: dict[str, dict[int, float]] = {}
@@ -156,30 +246,33 @@ class Decider:
             self.scores.setdefault(method, {}).update(by_seed)
         scores = self.scores
         needed = {m for pair in self.active() for m in pair} if self.rounds else set(s.methods)
-        # A method no longer compared keeps the values it had; AdaStop reads only those of live comparisons.
+        # A method no longer compared keeps the values it had; the rule reads only those of live comparisons.
         used = {m: [x for x in self.seeds if x in scores.get(m, {})] if m in needed else
                 self.rounds[-1].seeds[m] for m in s.methods}
         missing = [f"{m} seed {x}" for m in needed for x in self.seeds if x not in scores.get(m, {})]
         if missing:
             raise DecideError("no score for " + ", ".join(missing) + ": a job failed; fix it and rerun the sweep")
         values = {m: np.array([scores[m][x] for x in used[m]]) for m in s.methods}
-        self.comparator.partial_compare(values, verbose=False)
+        live = {j: pair for j, pair in enumerate(s.comparisons) if self.decision(pair) == CONTINUE}
+        diffs = {j: np.array([scores[a][x] - scores[b][x] for x in used[a] if x in used[b]])
+                 for j, (a, b) in live.items()}
+        verdicts = self.test.verdicts(values, diffs, k)
         decisions, intervals, means = {}, {}, {}
-        for (a, b), comp in zip(s.comparisons, self.comparator.comparisons):
+        for j, (a, b) in enumerate(s.comparisons):
             label = s.label((a, b))
-            if self.rounds and self.rounds[-1].decisions[label] != CONTINUE:
+            if j not in live:
                 decisions[label] = self.rounds[-1].decisions[label]
                 intervals[label], means[label] = self.rounds[-1].intervals[label], self.rounds[-1].mean_diff[label]
                 continue
-            common = [x for x in used[a] if x in used[b]]
-            diffs = np.array([scores[a][x] - scores[b][x] for x in common])
-            intervals[label], means[label] = adjusted_interval(diffs, s), float(np.mean(diffs))
-            verdict = self.comparator.decisions[str(comp)]
-            if verdict in ("larger", "smaller"):
-                decisions[label] = BETTER if verdict == "larger" else WORSE
-            elif k == s.rounds - 1:   # the cap: AdaStop found no difference
-                lo, hi = intervals[label]
-                decisions[label] = EQUIVALENT if -s.margin < lo and hi < s.margin else UNDECIDED
+            intervals[label], means[label] = adjusted_interval(diffs[j], s), float(np.mean(diffs[j]))
+            lo, hi = intervals[label]
+            within = -s.margin < lo and hi < s.margin
+            if verdicts[j] is not None:
+                decisions[label] = BETTER if verdicts[j] == "larger" else WORSE
+            elif within and (self.test.early_equivalence or k == s.rounds - 1):
+                decisions[label] = EQUIVALENT
+            elif k == s.rounds - 1:   # the cap: no difference found, none excluded
+                decisions[label] = UNDECIDED
             else:
                 decisions[label] = CONTINUE
         record = Round(k, {m: list(used[m]) for m in s.methods}, {m: values[m].tolist() for m in s.methods},

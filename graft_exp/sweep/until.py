@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from graft_exp import schema, tracking
 from graft_exp.launching import status
-from graft_exp.sweep.decide import RULE, DecideError, Decider, Settings
+from graft_exp.sweep.decide import DecideError, Decider, Settings
 from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import Sweep, plan
 from graft_exp.sweep.state import console
@@ -62,14 +62,36 @@ def job_scores(sweep: Sweep, client: MlflowClient) -> dict[str, dict[int, float]
     return scores
 
 
+#: The until-decided run's param naming its rule (a key of ``decide.RULES``); runs before it ran AdaStop.
+RULE_PARAM = "decide_rule"
+
+
+def check_resumed_rule(sweep: Sweep, s: Settings) -> None:
+    """Refuse to resume, with another rule, a sweep whose last until-decided run did not finish: its rounds were
+    looked at under the first rule, and the second's level would not hold over the looks of both."""
+    client = MlflowClient(sweep.uri)
+    experiment = client.get_experiment_by_name(f"graft/{sweep.study}")
+    if experiment is None:
+        return
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{schema.ANALYSIS}` = 'until-decided' and "
+                              f"tags.`{schema.SWEEP}` = '{sweep.path}'", order_by=["attributes.start_time DESC"],
+                              max_results=1)
+    if runs and runs[0].info.status != "FINISHED":
+        before = runs[0].data.params.get(RULE_PARAM, "adastop")
+        if before != s.rule:
+            raise DecideError(f"{sweep.path} was started with decide.rule={before} and has not finished: resume it "
+                              f"with rule {before} (its level holds only under one rule), or change its study to "
+                              f"start afresh with {s.rule}")
+
+
 def open_record(sweep: Sweep, s: Settings) -> tuple[MlflowClient, str]:
     """The sweep's own MLflow run, with the rule and its settings."""
     experiment_id = tracking.ensure_store(sweep.uri, f"graft/{sweep.study}")
     client = MlflowClient(sweep.uri)
     run = client.create_run(experiment_id, run_name=f"until-decided-{sweep.path.stem}", tags={
         schema.ANALYSIS: "until-decided", schema.SWEEP: str(sweep.path), schema.STUDY: sweep.study,
-        tracking.DESCRIPTION_TAG: f"seeds until decided for {sweep.path}: {RULE}"})
-    params = {"rule": RULE, "alpha": s.alpha, "margin_points": s.margin, "seeds_per_round": s.per_round,
+        tracking.DESCRIPTION_TAG: f"seeds until decided for {sweep.path}: {s.description}"})
+    params = {"rule": s.description, RULE_PARAM: s.rule, "alpha": s.alpha, "margin_points": s.margin, "seeds_per_round": s.per_round,
               "max_seeds": s.max_seeds, "rounds": s.rounds, "permutations": s.permutations,
               "permutation_seed": s.seed, "comparisons": "; ".join(s.label(p) for p in s.comparisons),
               "metric": "test/avg, mean of the job's models, points"}
@@ -88,7 +110,7 @@ def until_decided(path: Path, spec: dict, s: Settings, overrides: list[str], run
         sweep = plan(path, overrides, spec=round_spec(spec, seeds, methods))
         if client is None:
             client, run_id = open_record(sweep, s)
-        console.print(f"[bold]round {len(decider.rounds)}[/]: seeds {seeds} for {', '.join(sorted(methods))} "
+        console.print(f"[bold]round {len(decider.rounds)}[/] ({s.rule}): seeds {seeds} for {', '.join(sorted(methods))} "
                       f"({len(sweep.jobs)} jobs)")
         code = run_round(sweep)
         if code != 0:
@@ -117,7 +139,7 @@ def until_decided(path: Path, spec: dict, s: Settings, overrides: list[str], run
     for pair in s.comparisons:
         client.set_tag(run_id, schema.DECISION_PREFIX + f"{pair[0]}_vs_{pair[1]}", decider.decision(pair))
     client.set_terminated(run_id, "FINISHED")
-    console.print(f"[green]decided[/] after {len(decider.rounds)} round(s); MLflow run {run_id}")
+    console.print(f"[green]decided[/] by decide.rule={s.rule} after {len(decider.rounds)} round(s); MLflow run {run_id}")
     return 0
 
 
