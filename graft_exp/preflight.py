@@ -169,8 +169,9 @@ def check_gpu_memory(env: dict[str, str], plan: resources.Plan) -> list[Check]:
     return rows
 
 
-def check_time(cfg: DictConfig, full: DictConfig, costs: list[tuple[int, float]]) -> Check:
-    """Device-hours of step 2 scaled to the full job (its prompts per step, its steps) beside App. D's figure."""
+def check_time(cfg: DictConfig, full: DictConfig, costs: list[tuple[int, float]], tokens: int = 0) -> Check:
+    """Device-hours of step 2 scaled to the full job (its prompts per step, its steps) beside App. D's figure, and
+    the throughput the defaults gave: ``tokens`` generated at step 2 per device-second."""
     from graft_exp.launching.jobs import PAPER_STEPS, estimate_gpu_hours
 
     per_step = dict(costs)
@@ -179,7 +180,8 @@ def check_time(cfg: DictConfig, full: DictConfig, costs: list[tuple[int, float]]
     step = per_step[2] - per_step.get(1, 0.0)
     steps = int(full.train.max_steps or PAPER_STEPS)
     projected = step * int(full.train.batch_prompts) / int(cfg.train.batch_prompts) * steps
-    measured = f"{step * 3600:.1f} device-s per step; full job ~{projected:.2f} GPU-h ({steps} steps)"
+    measured = (f"{step * 3600:.1f} device-s per step, {tokens / max(step * 3600, 1e-9):.0f} generated tokens per "
+                f"device-s; full job ~{projected:.2f} GPU-h ({steps} steps)")
     if full.backend.name != "verl":
         return Check("time", "job", INFO, measured, "App. D times the paper's GPU nodes")
     paper = estimate_gpu_hours(full)
@@ -244,6 +246,7 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
         return rows
     env, plan = job.data.tags, resources.job_plan(full)
     rows += check_packages(env, str(cfg.backend.name)) + [check_gpu(env, plan)]
+    tokens = 0
     with tempfile.TemporaryDirectory() as scratch:
         for role in roles(cfg.pair):
             run = models.get(role)
@@ -254,11 +257,12 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
             rows.append(check_prompt(model, run.data.tags))
             log = read_log(Path(client.download_artifacts(run.info.run_id, "trajectories", f"{scratch}/{role}")))
             rows.append(check_stopping(model, log, int(cfg.train.max_response_length)))
+            tokens += int(log.loc[log["step"] == 2, "num_tokens"].sum())
             gaps = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/rollout_logprob_gap")}
             rows.append(check_sync(model, gaps))
     rows += [check_host_memory(peak_gb, plan), *check_gpu_memory(env, plan)]
     costs = [(m.step, m.value) for m in client.get_metric_history(job.info.run_id, schema.GPU_HOURS)]
-    rows.append(check_time(cfg, full, costs))
+    rows.append(check_time(cfg, full, costs, tokens))
     rows.append(check_checkpoint(Path(cfg.checkpoint_root) / tracking.run_key(cfg), plan))
     verdict = FAIL if any(r.status == FAIL for r in rows) else PASS
     client.set_tag(job.info.run_id, PREFLIGHT_TAG, verdict)

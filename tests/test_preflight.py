@@ -43,7 +43,8 @@ def test_the_tiny_pair_passes_its_preflight_and_no_analysis_sees_it(tmp_path, ne
         assert rows["prompt", model] == rows["stopping", model] == PASS
         assert rows["weight sync", model] == NOT_HERE     # one engine on the local backend: never a pass
     assert rows["job", "job"] == rows["tracking", "job"] == rows["checkpoint", "job"] == rows["host memory", "job"] == PASS
-    assert rows["package torch", "job"] == PASS
+    assert rows["package torch", "job"] == PASS and rows["time", "job"] == "info"   # no App. D figure for CPU pairs
+    assert "generated tokens per device-s" in report.read_text()
     assert "preflight" in done.stdout and "tiny-char-llama" in done.stdout
     with pytest.raises(StoreUnavailable, match="no experiment whose name starts with 'graft/'"):
         graft_experiments(client, None)   # the analysis, comparisons and run lookups read graft/ only
