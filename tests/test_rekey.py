@@ -17,6 +17,8 @@ from graft_exp import rekey, schema, tracking
 
 #: The last commit before the budget settings (its keys hold the whole catalog), and the last before this rule.
 LEGACY, BUDGETED = "9f46777", "3746ae2"
+#: The cut-copy rule every run before ``method.cut_copies`` trained with.
+OLD_CUT_RULE = "method.cut_copies=train"
 
 pytestmark = pytest.mark.slow
 
@@ -81,15 +83,17 @@ def test_an_old_store_is_rekeyed_then_skipped_resumed_and_replayed(legacy, compo
                            capture_output=True, text=True, check=True).stdout
     assert f"0 of {len(dry)} runs re-keyed" in again, again
 
+    # The old code trained peer copies cut at the response limit (method.cut_copies=train): its co-trained runs keep
+    # that rule's key, which today's default (drop) does not share (README, "Upgrading").
     grpo_key = tracking.run_key(composed("method=grpo_n8"))
-    graft_key = tracking.run_key(composed("method=graft"))
-    budget_key = tracking.run_key(composed("method=graft", "seed=1", f"train.gpu_hours_of={grpo_key}"))
+    graft_key = tracking.run_key(composed("method=graft", OLD_CUT_RULE))
+    budget_key = tracking.run_key(composed("method=graft", "seed=1", f"train.gpu_hours_of={grpo_key}", OLD_CUT_RULE))
     for method, key in (("grpo_n8", grpo_key), ("graft", graft_key), ("graft/budget", budget_key)):
         run = client.get_run(before[method].info.run_id)
         assert run.data.tags[schema.RUN_KEY] == key, method
         assert run.data.tags[schema.RUN_KEY_BEFORE] == before[method].data.tags[schema.RUN_KEY], method
     for role, run in model_runs(client, before["graft"].info.run_id).items():
-        assert run.data.tags[schema.RUN_KEY] == tracking.model_run_key(composed("method=graft"), role)
+        assert run.data.tags[schema.RUN_KEY] == tracking.model_run_key(composed("method=graft", OLD_CUT_RULE), role)
     # The preempted job's checkpoints moved with its key.
     assert (store / "ckpt" / graft_key / "ckpt-1").is_dir()
     assert not (store / "ckpt" / before["graft"].data.tags[schema.RUN_KEY]).exists()
@@ -98,7 +102,7 @@ def test_an_old_store_is_rekeyed_then_skipped_resumed_and_replayed(legacy, compo
     # the old GRPO log; the budgeted job found FINISHED under its new key.
     done = subprocess.run([sys.executable, "-m", "graft_exp", "-m", "method=grpo_n8,graft,graft_stored",
                            f"tracking.uri={uri}", f"checkpoint_root={store / 'ckpt'}",
-                           f"hydra.sweep.dir={store / 'multirun'}", "cluster.poll_s=2", *TINY],
+                           f"hydra.sweep.dir={store / 'multirun'}", "cluster.poll_s=2", OLD_CUT_RULE, *TINY],
                           cwd=store, capture_output=True, text=True, timeout=900, check=False)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
