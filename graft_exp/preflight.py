@@ -29,9 +29,10 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from packaging.requirements import Requirement
 
 from graft_exp import methods, prompts, resources, schema, tracking
-from graft_exp.config import ConfigError, roles, validate_job
+from graft_exp.config import FLASH_ATTN, ConfigError, roles, validate_job
 
 PASS, FAIL, NOT_HERE, INFO = "pass", "fail", "not measurable here", "info"
 #: The largest mean per-token |vLLM - FSDP| log-prob gap of a response on step 2 (nats) that a weight sync passes
@@ -71,24 +72,18 @@ def miniature(cfg: DictConfig, checkpoint_root: Path) -> list[str]:
             f"checkpoint_root={checkpoint_root}"]
 
 
-def requirement(dist: str, backend: str, gpu: bool):
+def requirement(dist: str, backend: str, gpu: bool) -> Requirement | None:
     """The project's requirement on ``dist`` (pyproject.toml): the ``verl`` extra's pin on a GPU node of
     ``backend=verl``, else the base one; flash-attn's from the node check's install line."""
-    from packaging.requirements import Requirement
-
-    from graft_exp.config import FLASH_ATTN
     if dist == "flash-attn":
         return Requirement(FLASH_ATTN)
-    found = {}
-    for line in metadata.requires("graft_exp") or []:
-        req = Requirement(line)
-        if req.name != dist:
-            continue
-        extra = "verl" if req.marker is not None and req.marker.evaluate({"extra": "verl"}) else (
-            "" if req.marker is None else None)
-        if extra is not None:
-            found[extra] = req
-    return found.get("verl") if backend == "verl" and gpu and "verl" in found else found.get("", found.get("verl"))
+    base = extra = None
+    for req in map(Requirement, metadata.requires("graft_exp") or []):
+        if req.name == dist and req.marker is None:
+            base = req
+        elif req.name == dist and req.marker.evaluate({"extra": "verl"}):
+            extra = req
+    return extra if backend == "verl" and gpu and extra else base or extra
 
 
 def check_packages(env: dict[str, str], backend: str) -> list[Check]:
