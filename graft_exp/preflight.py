@@ -232,6 +232,7 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
     """Every check of the preflight job ``cfg`` (the miniature of ``full``), from what it recorded."""
     from mlflow import MlflowClient
 
+    from graft_exp.driver import run_directory
     from graft_exp.trajectories import read_log
 
     client = MlflowClient(str(cfg.tracking.uri))
@@ -258,7 +259,7 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
     rows += [check_host_memory(peak_gb, plan), *check_gpu_memory(env, plan)]
     costs = [(m.step, m.value) for m in client.get_metric_history(job.info.run_id, schema.GPU_HOURS)]
     rows.append(check_time(cfg, full, costs, tokens))
-    rows.append(check_checkpoint(Path(cfg.checkpoint_root) / tracking.run_key(cfg), plan))
+    rows.append(check_checkpoint(run_directory(cfg), plan))
     verdict = FAIL if any(r.status == FAIL for r in rows) else PASS
     client.set_tag(job.info.run_id, PREFLIGHT_TAG, verdict)
     client.log_text(job.info.run_id, json.dumps([asdict(r) for r in rows], indent=1), "preflight/report.json")
