@@ -29,7 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from graft_exp import schema
 from graft_exp.config import BUDGET_KEYS, BUDGET_SETTINGS
-from graft_exp.intervals import paired_interval, rliable_measures
+from graft_exp.intervals import mean_sd, paired_interval, rliable_measures
 from graft_exp.scores import checkpoint_score, job_score
 
 UNTIL_DECIDED = "until-decided"
@@ -161,6 +161,12 @@ def equal_compute(jobs: pd.DataFrame, reference: str, study: list[str] | None = 
     return pd.DataFrame(rows)
 
 
+def _mean_sd(scores: np.ndarray) -> str:
+    """``mean ± s.d.`` over seeds (``intervals.mean_sd``); the mean alone for one seed, as the tables show it."""
+    mean, sd = mean_sd(scores)
+    return f"{mean:.2f}" + ("" if math.isnan(sd) else f" ± {sd:.2f}")
+
+
 def _equal_compute_row(method: str, group: pd.DataFrame, at_compute: np.ndarray, base: np.ndarray | None,
                        at_steps: np.ndarray, steps_base: np.ndarray | None, reference: str) -> dict:
     """One method's row: ``base``/``steps_base`` are its jobs' reference scores (None: the reference itself)."""
@@ -176,7 +182,7 @@ def _equal_compute_row(method: str, group: pd.DataFrame, at_compute: np.ndarray,
         "budget in": ", ".join(sorted({u for u in group.get("budget unit", ()) if isinstance(u, str)})) or "—",
         "GPU-h per job": float(group["gpu_hours"].mean()),
         "TFLOPs per job": float(group["flops"].mean()) / 1e12 if "flops" in group else math.nan,
-        "score at equal compute": f"{at_compute.mean():.2f} ± {at_compute.std(ddof=1) if len(group) > 1 else 0:.2f}",
+        "score at equal compute": _mean_sd(at_compute),
         f"Δ vs {reference}, equal compute [95% CI]": delta(at_compute, base),
         "seeds at equal steps": len(at_steps),
         "score at equal steps": f"{at_steps.mean():.2f}" if len(at_steps) else "—",
@@ -195,7 +201,8 @@ def write(client: MlflowClient, names: list[str] | None, out: Path, reference: s
         paths += _write_frame(table, out / "decisions", _decision_markdown(table))
     ec = equal_compute(job_scores(client, _experiments(client, None)), reference, ids)
     if not ec.empty:
-        paths += _write_frame(ec, out / "equal_compute", markdown(ec))
+        paths += _write_frame(ec, out / "equal_compute", markdown(ec) + "\nScores: mean ± sample standard deviation "
+                             "over seeds; Δ: mean paired difference [95% Student-t interval].\n")
     return paths
 
 
@@ -212,7 +219,8 @@ def _decision_markdown(table: pd.DataFrame) -> str:
                                    for _, r in table.iterrows()],
     })
     alpha, margin = table["alpha"].iloc[0], table["margin"].iloc[0]
-    note = (f"Family-wise alpha {alpha} over the comparisons and rounds (AdaStop); the adjusted interval is the "
+    rule = ", ".join(sorted(set(table["rule"]))) if "rule" in table else "adastop"
+    note = (f"Family-wise alpha {alpha} over the comparisons and rounds (rule: {rule}); the adjusted interval is the "
             f"paired t interval at 1 - alpha/(comparisons x rounds); equivalent: no difference found at the cap "
             f"and the adjusted interval within ±{margin} points. P(improve) and IQM: rliable, 95% stratified "
             "bootstrap, not adjusted.")

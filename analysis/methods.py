@@ -82,7 +82,7 @@ def frame(comparisons: list[comparison.Comparison]) -> pd.DataFrame:
     for c in comparisons:
         for row in c.rows:
             rows.append({"pair": c.pair, "reference": c.reference,
-                         **{k: (100 * v if isinstance(v, float) and ("mean" in k or " se" in k or "delta" in k)
+                         **{k: (100 * v if isinstance(v, float) and ("mean" in k or " sd" in k or "delta" in k)
                                 else v) for k, v in row.items() if k != "pair"},
                          "differs in": "; ".join(c.differ)})
     return pd.DataFrame(rows)

@@ -52,7 +52,8 @@ def tex_text(text: str) -> str:
     text = re.sub(r"\bn=(\d+)", r"$n{=}\1$", text)
     text = re.sub(r"δ=([0-9.]+)", r"$\\delta{=}\1$", text)
     for plain, tex in (("GRAFT", r"\method{}"), (" + ", r" $+$ "), ("↔", r"$\leftrightarrow$"),
-                       ("←", r"\,$\leftarrow$\,"), ("β", r"$\beta$"), ("ε", r"$\varepsilon$"), ("–", "--")):
+                       ("←", r"\,$\leftarrow$\,"), ("β", r"$\beta$"), ("ε", r"$\varepsilon$"), ("–", "--"),
+                       ("±", r"$\pm$")):
         text = text.replace(plain, tex)
     return text.replace("+ w/o", "$+$ w/o")
 
@@ -415,7 +416,7 @@ def seeds_tex(table: Table) -> str:
     lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{tex_text(table.caption)}}}",
              rf"\label{{tab:{table.label}}}", r"\renewcommand{\NC}{" + str(columns) + "}", r"\resizebox{\linewidth}{!}{",
              rf"\begin{{tabular}}{{@{{}}l{'c' * (columns - 1)}@{{}}}}", r"\toprule",
-             " & ".join(["Method", *(tex_text(h).replace("Δ", r"$\Delta$").replace("±", r"$\pm$")
+             " & ".join(["Method", *(tex_text(h).replace("Δ", r"$\Delta$")
                                      for h in header)]) + r" \\", r"\midrule"]
     for item in table.items:
         if isinstance(item, Band):

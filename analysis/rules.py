@@ -7,15 +7,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from graft_exp.intervals import paired_interval, t_halfwidth
+from graft_exp.intervals import mean_sd, paired_interval, t_halfwidth
 
 AVG = "avg"
-#: Standard deviation over the evaluation runs of one checkpoint. The paper says "mean and standard
-#: deviation" (Sec. 5.1, App. B) without naming the estimator; we use the sample estimator, as App. C
-#: states for the spread over training runs, so that both spreads read the same way.
-EVAL_STD_DDOF = 1
-#: App. C: "mean and sample standard deviation over three independent runs".
-SEED_STD_DDOF = 1
 
 
 def eval_scores(history: pd.DataFrame, benches: list[str], scale: float = 1.0) -> pd.DataFrame:
@@ -33,25 +27,27 @@ def eval_scores(history: pd.DataFrame, benches: list[str], scale: float = 1.0) -
     return table
 
 
-def mean_std(scores: pd.DataFrame, ddof: int) -> dict[str, float]:
-    """``<col>_mean`` and ``<col>_std`` for every column, plus ``n`` (the number of rows averaged)."""
+def mean_std(scores: pd.DataFrame) -> dict[str, float]:
+    """``<col>_mean`` and ``<col>_std`` for every column (``intervals.mean_sd`` of its values, missing ones left
+    out), plus ``n`` (the number of rows averaged)."""
     out = {"n": len(scores)}
     for column in scores.columns:
-        values = scores[column]
-        out[f"{column}_mean"] = values.mean() if len(values) else math.nan
-        out[f"{column}_std"] = values.std(ddof=ddof) if len(values) > ddof else math.nan
+        out[f"{column}_mean"], out[f"{column}_std"] = mean_sd(scores[column].dropna())
     return out
 
 
 def checkpoint_summary(scores: pd.DataFrame) -> dict[str, float]:
-    """Main-table cell values: mean and std over the evaluation runs of the selected checkpoint (Table 1)."""
-    return mean_std(scores, EVAL_STD_DDOF)
+    """Main-table cell values: mean and std over the evaluation runs of the selected checkpoint (Table 1). The
+    paper says "mean and standard deviation" (Sec. 5.1, App. B) without naming the estimator; the sample one, as
+    App. C states for the spread over training runs, so that every "±" reads the same way."""
+    return mean_std(scores)
 
 
 def seed_summary(per_seed_scores: list[pd.DataFrame]) -> dict[str, float]:
-    """App. C: average the evaluation runs within each training run, then mean and sample std over runs."""
+    """App. C: average the evaluation runs within each training run, then "mean and sample standard deviation
+    over three independent runs"."""
     per_seed_means = pd.DataFrame([scores.mean() for scores in per_seed_scores])
-    return mean_std(per_seed_means, SEED_STD_DDOF)
+    return mean_std(per_seed_means)
 
 
 def bold_cells(block_means: pd.DataFrame, reference: str) -> dict[str, set[str]]:

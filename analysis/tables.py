@@ -14,10 +14,15 @@ import pandas as pd
 
 from analysis import catalog, rules
 from analysis.results import Analysis, Missing
+from graft_exp.intervals import standard_error
 from graft_exp.scores import job_score
 
 AVG = rules.AVG
 log = logging.getLogger("analysis")
+
+#: What "±" is in each table (``intervals.mean_sd``: the sample standard deviation), named in its caption.
+OVER_EVAL_RUNS = " ± : sample s.d. over the evaluation runs of one checkpoint."
+OVER_SEEDS = " ± : sample s.d. over seeds (training runs)."
 
 
 @dataclass
@@ -126,7 +131,7 @@ def main_results(a: Analysis) -> Table:
     pairs = a.pairs_with_runs()
     benches = _run_benches(a, pairs)
     columns = [*benches, AVG]
-    table = Table(label, "Results of cross-model rollout exchange during co-training.", benches)
+    table = Table(label, "Results of cross-model rollout exchange during co-training." + OVER_EVAL_RUNS, benches)
     for model in updated_models(a, pairs):
         table.items.append(Band(f"Updated policy: {catalog.model_display(model)}", "pair"))
         grpo = {m: _checkpoint_row(a, label, m, model, "none", benches) for m in ("grpo_n8", "grpo_n16", "grpo_n32")}
@@ -208,7 +213,8 @@ def ablation_full(a: Analysis) -> Table:
     """Table 6 (App. F): per-benchmark ablation and threshold sweep on Pair 1, Δ vs full GRAFT."""
     methods = [m for _, ms in ABLATION_FULL_SECTIONS for m in ms]
     blocks = _study_models(a, methods)
-    table = Table("ablation-full", "Full ablation of GRAFT.", _run_benches(a, a.study_pairs(methods)))
+    table = Table("ablation-full", "Full ablation of GRAFT." + OVER_EVAL_RUNS,
+                  _run_benches(a, a.study_pairs(methods)))
     sections = [(title, [(m, None) for m in ms]) for title, ms in ABLATION_FULL_SECTIONS]
     for model, peer in blocks:
         _study_block(a, table, model, peer, sections, "GRAFT (full, δ=0.8)")
@@ -218,7 +224,7 @@ def ablation_full(a: Analysis) -> Table:
 def which_how_full(a: Analysis) -> Table:
     """Table 7 (App. F): prior methods with GRAFT's which or how on Pair 1, Δ vs full GRAFT."""
     methods = [m for m, _ in WHICH_HOW_ROWS if m not in ("hacpo", "sgt")]  # those two ran on every pair
-    table = Table("which-how-full", "Full results for prior methods with one side replaced.",
+    table = Table("which-how-full", "Full results for prior methods with one side replaced." + OVER_EVAL_RUNS,
                   _run_benches(a, a.study_pairs(methods)))
     for model, peer in _study_models(a, methods):
         _study_block(a, table, model, peer, [(None, WHICH_HOW_ROWS)], "GRAFT")
@@ -228,8 +234,8 @@ def which_how_full(a: Analysis) -> Table:
 def ablation(a: Analysis) -> Table:
     """Table 2: Avg ± std and Δ vs full GRAFT per model of Pair 1; (a) components, (b) alternative designs."""
     methods = [m for _, _, rows in ABLATION_COMPACT for m, _ in rows if m not in ("hacpo", "sgt")]
-    table = Table("ablation", "Ablations and alternative designs.", _run_benches(a, a.study_pairs(methods)),
-                  kind="ablation")
+    table = Table("ablation", "Ablations and alternative designs." + OVER_EVAL_RUNS,
+                  _run_benches(a, a.study_pairs(methods)), kind="ablation")
     for model, peer in _study_models(a, methods):
         block = Table("ablation", "", table.benches)
         _study_block(a, block, model, peer, [(t, rows) for _, t, rows in ABLATION_COMPACT], "GRAFT (full)")
@@ -267,7 +273,7 @@ def training_variance(a: Analysis) -> Table:
     label = "training-variance"
     pairs = a.pairs_with_runs()
     benches = _run_benches(a, pairs)
-    table = Table(label, "Training stability across three independent runs.", benches)
+    table = Table(label, "Training stability across three independent runs." + OVER_SEEDS, benches)
     for pair in pairs:
         table.items.append(_pair_band(a, pair))
         for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
@@ -285,7 +291,7 @@ def replay_results(a: Analysis) -> Table:
     label = "replay-results"
     pairs = a.pairs_with_runs()
     benches = _run_benches(a, pairs)
-    table = Table(label, "Effect of learning from peer-model training trajectories.", benches)
+    table = Table(label, "Effect of learning from peer-model training trajectories." + OVER_EVAL_RUNS, benches)
     for pair in pairs:
         table.items.append(_pair_band(a, pair))
         for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
@@ -359,7 +365,7 @@ def compute(a: Analysis) -> Table:
     label = "compute"
     pairs = a.study_pairs(["grpo_ds"])
     benches = _run_benches(a, pairs)
-    table = Table(label, "Score and training cost.", benches, kind="compute")
+    table = Table(label, "Score and training cost." + OVER_EVAL_RUNS, benches, kind="compute")
     checked: set = set()
     for pair in pairs:
         model_a, model_b = a.pairs[pair]
@@ -488,7 +494,7 @@ def _seed_scores(a: Analysis, label: str, method: str, model: str, peer: str, se
         if run_id:
             runs = a.scores(run_id, benches)
             rows[seed] = runs.mean()
-            rows[seed][EVAL_SE] = runs[AVG].std(ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else math.nan
+            rows[seed][EVAL_SE] = standard_error(runs[AVG])
     return pd.DataFrame.from_dict(rows, orient="index", columns=[*benches, AVG, EVAL_SE])
 
 
@@ -496,7 +502,7 @@ def _paired_row(a: Analysis, method: str, model: str, peer: str, per_seed: pd.Da
               references: dict[str, pd.DataFrame], seeds: list[int]) -> Row:
     """Mean and sample std over seeds, and the paired difference of Avg to each reference (same seeds); with
     an ``eval_se`` column, its mean over seeds (one model's evaluation noise, to set beside those differences)."""
-    stats = rules.mean_std(per_seed.drop(columns=EVAL_SE, errors="ignore"), rules.SEED_STD_DDOF)
+    stats = rules.mean_std(per_seed.drop(columns=EVAL_SE, errors="ignore"))
     row = Row(model, peer, method, stats, catalog.method_display(method), ours=method == "graft",
               reference=method == "grpo_n8")
     row.extra = {"seeds": len(per_seed), "of_seeds": len(seeds)}

@@ -1,7 +1,12 @@
 """The one paired interval every comparison of this project reports: the Student-t interval of a mean difference
 over seeds (the job summary's comparison, ``python -m analysis`` tables and decisions, the sweep's adjusted
 intervals of ``--until-decided``); and rliable's probability of improvement and IQM beside it (Agarwal et al.,
-"Deep RL at the edge of the statistical precipice", 2021), where there are enough seeds."""
+"Deep RL at the edge of the statistical precipice", 2021), where there are enough seeds.
+
+"±" means one thing in every product of the project (the job summary, the tables, the decisions): the sample
+standard deviation (n - 1) of the values averaged, ``mean_sd``; each table's header names over what (seeds, or the
+evaluation runs of one checkpoint). The standard error of a mean is ``standard_error``, shown only where a column
+says so."""
 
 from __future__ import annotations
 
@@ -12,13 +17,26 @@ import numpy as np
 from scipy import stats
 
 
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of ``values`` and their sample standard deviation (n - 1): the two sides of every "±" the project
+    prints (App. C: "mean and sample standard deviation"). NaN for what no value, or one, cannot give."""
+    values = np.asarray(values, dtype=float)
+    mean = float(values.mean()) if len(values) else math.nan
+    return mean, float(values.std(ddof=1)) if len(values) > 1 else math.nan
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values``: their sample standard deviation / sqrt(n); NaN below two."""
+    return mean_sd(values)[1] / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
 def t_halfwidth(values: Sequence[float], level: float = 0.95) -> float:
     """Half-width of the Student-t ``level`` interval of the mean of ``values`` (n - 1 degrees of freedom); NaN
     below two values."""
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return math.nan
-    return float(stats.t.ppf(0.5 + level / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    return float(stats.t.ppf(0.5 + level / 2, len(values) - 1) * standard_error(values))
 
 
 def paired_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:

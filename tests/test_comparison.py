@@ -46,10 +46,12 @@ def test_the_comparison_is_the_hand_computed_one(new_store, tmp_path, capsys):
     uri, jobs = write_store(new_store, tmp_path)
     summary.print_jobs(uri, jobs, "multirun of 6 jobs: results")
     out = capsys.readouterr().out
-    # by seed, GRPO n=8: A 0.45, 0.50, 0.55 (s.d. 0.05, s.e. 0.0289); B 0.30, 0.40, 0.35; pair 0.375, 0.45, 0.45
-    # (s.d. 0.0433, s.e. 0.025). GRAFT: A 0.50, 0.60, 0.55; B 0.40, 0.40, 0.45; pair 0.45, 0.50, 0.50
-    assert re.search(r"grpo_n8 +│ +3 │ +50\.0 ± 2\.9 │ +35\.0 ± 2\.9 │ +42\.5 ± 2\.5 │ +reference │ +- │ +0\.0100", out), out
-    assert re.search(r"graft +│ +3 │ +55\.0 ± 2\.9 │ +41\.7 ± 1\.7 │ +48\.3 ± 1\.7 │", out), out
+    # by seed, GRPO n=8: A 0.45, 0.50, 0.55 (s.d. 0.05); B 0.30, 0.40, 0.35 (s.d. 0.05); pair 0.375, 0.45, 0.45
+    # (s.d. 0.0433). GRAFT: A 0.50, 0.60, 0.55 (0.05); B 0.40, 0.40, 0.45 (0.0289); pair 0.45, 0.50, 0.50 (0.0289).
+    # "±" is the sample s.d. here as in every table of the project (intervals.mean_sd)
+    assert "mean ± s.d. over seeds" in out
+    assert re.search(r"grpo_n8 +│ +3 │ +50\.0 ± 5\.0 │ +35\.0 ± 5\.0 │ +42\.5 ± 4\.3 │ +reference │ +- │ +0\.0100", out), out
+    assert re.search(r"graft +│ +3 │ +55\.0 ± 5\.0 │ +41\.7 ± 2\.9 │ +48\.3 ± 2\.9 │", out), out
     # paired differences 0.075, 0.05, 0.05: mean 0.0583, s.d. 0.01443, s.e. 0.00833; t(0.975, 2) = 4.302653
     half = 4.302653 * 0.0144338 / 3 ** 0.5
     assert f"+5.83 [{100 * (0.058333 - half):+.2f}, {100 * (0.058333 + half):+.2f}] (n=3)" in out, out

@@ -27,22 +27,29 @@ def run_preflight(tmp_path: Path, new_store, *overrides: str) -> tuple[subproces
 
 
 @pytest.mark.slow
-def test_the_tiny_pair_passes_its_preflight_and_no_analysis_sees_it(tmp_path, new_store):
+@pytest.mark.service
+def test_the_tiny_pair_passes_its_preflight_through_slurm_and_no_analysis_sees_it(tmp_path, new_store, slurm,
+                                                                               monkeypatch):
+    """Submitted as the user's would be: ``cluster=slurm``, the job on a node of the private cluster, the store and
+    the checkpoint folder on the file system it shares with the submitting machine."""
     from analysis.store import StoreUnavailable, graft_experiments
 
-    done, uri = run_preflight(tmp_path, new_store)
+    monkeypatch.chdir(tmp_path)
+    done, uri = run_preflight(tmp_path, new_store, "cluster=slurm", "cluster.poll_s=2", *slurm.launcher_overrides)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     client = MlflowClient(uri)
     (experiment,) = [e for e in client.search_experiments() if e.name.startswith("graft-preflight/")]
     (job,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
     assert job.data.tags[preflight.PREFLIGHT_TAG] == PASS and job.info.status == "FINISHED"
+    assert job.data.tags["graft.slurm_job_id"]   # it ran as a Slurm job
     report = Path(client.download_artifacts(job.info.run_id, "preflight/report.md", str(tmp_path)))
     rows = {(line.split("|")[1].strip(), line.split("|")[2].strip()): line.split("|")[3].strip()
             for line in report.read_text().splitlines()[2:]}
     for model in ("tiny-char-llama", "tiny-bpe-gpt2"):
         assert rows["prompt", model] == rows["stopping", model] == PASS
         assert rows["weight sync", model] == NOT_HERE     # one engine on the local backend: never a pass
-    assert rows["job", "job"] == rows["tracking", "job"] == rows["checkpoint", "job"] == rows["host memory", "job"] == PASS
+    assert rows["job", "job"] == rows["tracking", "job"] == rows["checkpoint", "job"] == PASS
+    assert rows["host memory", "job"] == NOT_HERE   # the job ran on a node: sacct's MaxRSS, not this process's
     assert rows["package torch", "job"] == PASS and rows["time", "job"] == "info"   # no App. D figure for CPU pairs
     assert "generated tokens per device-s" in report.read_text()
     assert "preflight" in done.stdout and "tiny-char-llama" in done.stdout

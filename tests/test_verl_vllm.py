@@ -55,7 +55,7 @@ from verl import DataProto
 from verl.utils import hf_tokenizer
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-from graft_exp import driver, prompts, schema, tracking
+from graft_exp import driver, preflight, prompts, schema, tracking
 from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
 from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
 from graft_exp.backends.verl.ray_slurm import start_local_ray
@@ -427,6 +427,19 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
                                                                               .input_ids) for t in texts if t)
     print(f"largest |rollout - trainer| log-prob difference (train rollouts, top-p 1): {max(log['max_diff']):.3g}")
 
+    # The preflight's checks on this job's records (the paper path in miniature through vLLM's real engine: the
+    # same report `python -m graft_exp.preflight` writes after its own job)
+    rows = {(r.check, r.model): r for r in preflight.report(cfg, cfg, 0, None, 0)}
+    print(preflight.markdown(list(rows.values())))
+    for role in ("A", "B"):
+        model = str(cfg.pair[role])
+        assert rows["prompt", model].status == rows["stopping", model].status == preflight.PASS
+        assert rows["weight sync", model].status == preflight.PASS   # vLLM's log-probs of step 2 against FSDP's
+    assert rows["job", "job"].status == rows["tracking", "job"].status == preflight.PASS
+    assert rows["checkpoint", "job"].status == rows["package verl", "job"].status == preflight.PASS
+    assert rows["package vllm", "job"].status == preflight.NOT_HERE    # vLLM's CPU build: the GPU pin is not checked
+    assert {r.status for r in rows.values() if r.check == "GPU memory"} == {preflight.NOT_HERE}
+
     # --- the same requests (prompts and seeds) twice: the same tokens
     backend = engines.backends[-1]
     n = int(backend.models["A"].config.actor_rollout_ref.rollout.n)
@@ -444,6 +457,12 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
         backend.sample("A", backend.problems()[:2], n, seed=1, step=3)
     print(f"weights not synced: {str(stale.value).splitlines()[0]}")
     assert synced == [3]   # the sync was called and delivered nothing
+    # the same stale engine without the test's check: the gap the job records, which the preflight fails
+    monkeypatch.setattr(CheckedBackend, "_generate", VerlBackend._generate)
+    gap = backend.sample("A", backend.problems()[:2], n, seed=1, step=3).logprob_gap
+    failed = preflight.check_sync(str(cfg.pair.A), {2: gap})
+    print(f"preflight on a sync that delivers nothing: {failed.status} {failed.measured}: {failed.fix}")
+    assert failed.status == preflight.FAIL and gap > preflight.SYNC_GAP_BOUND
     engines.requests("A")
 
 

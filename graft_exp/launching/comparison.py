@@ -1,5 +1,5 @@
 """The comparison a multirun or a sweep was run for, printed below its jobs table wherever methods share seeds: per
-pair and method the mean ± standard error over seeds of each model's and the pair's average final test score (a
+pair and method the mean ± sample standard deviation over seeds (``intervals.mean_sd``) of each model's and the pair's average final test score (a
 job's score: ``scores.job_score``, as ``summary.JobResult.pair_score`` gives it), each method against a
 reference (GRPO n=8 where it ran, else the first method launched; ``compare_to`` chooses) as the mean paired
 difference with its 95 % Student-t interval (``intervals.paired_interval``) and, from ``RLIABLE_MIN_SEEDS`` paired
@@ -10,14 +10,13 @@ flagged, not hidden)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from rich.table import Table
 
 from graft_exp.config import BUDGET_KEYS
-from graft_exp.intervals import paired_interval, rliable_measures
+from graft_exp.intervals import mean_sd, paired_interval, rliable_measures
 from graft_exp.tracking.identity import NON_IDENTITY_KEYS
 
 REFERENCE = "grpo_n8"
@@ -43,14 +42,6 @@ class MethodRow:
 def seed_order(seeds) -> list[str]:
     """Seeds (MLflow's strings) in numeric order."""
     return sorted(seeds, key=lambda s: (len(s), s))
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error (NaN below two values) of ``values``."""
-    n = len(values)
-    mean = sum(values) / n
-    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else math.nan
-    return mean, se
 
 
 def method_rows(results: list) -> dict[str, list[MethodRow]]:
@@ -137,7 +128,7 @@ def compare(results: list, reference: str | None = None, by: str = "method") -> 
             entry = {"pair": pair, "method": row.method, "seeds": len(seeds)}
             for label in [*ref.models, "pair"]:
                 values = [row.scores[s][label] for s in seeds if label in row.scores[s]]
-                entry[f"{label} mean"], entry[f"{label} se"] = mean_se(values) if values else (math.nan, math.nan)
+                entry[f"{label} mean"], entry[f"{label} sd"] = mean_sd(values)
             mean, lo, hi = paired_interval([row.scores[s]["pair"] - ref.scores[s]["pair"] for s in both]) \
                 if row is not ref else (math.nan, math.nan, math.nan)
             entry |= {"delta": mean, "delta lo": lo, "delta hi": hi, "paired seeds": len(both),
@@ -156,10 +147,10 @@ def compare(results: list, reference: str | None = None, by: str = "method") -> 
     return out
 
 
-def _pct(mean: float, se: float) -> str:
+def _pct(mean: float, sd: float) -> str:
     if math.isnan(mean):
         return "-"
-    return f"{100 * mean:.1f}" + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
+    return f"{100 * mean:.1f}" + ("" if math.isnan(sd) else f" ± {100 * sd:.1f}")
 
 
 def delta_text(row: dict, reference: str) -> str:
@@ -174,7 +165,7 @@ def tables(comparisons: list[Comparison]) -> list[tuple[Table, str]]:
     """The comparisons of ``compare`` as terminal tables, each with its note."""
     out = []
     for c in comparisons:
-        table = Table(title=f"{c.pair}: test avg % of the best checkpoints, mean ± s.e. over seeds; paired vs "
+        table = Table(title=f"{c.pair}: test avg % of the best checkpoints, mean ± s.d. over seeds; paired vs "
                             f"{c.reference}", title_justify="left")
         budget = (f"budget {c.budget_unit}", "steps") if c.equal_compute else ()
         for column in ("method", "seeds", *c.models, "pair avg", f"Δ pair vs {c.reference} [95% CI]", "P(improve)",
@@ -184,7 +175,7 @@ def tables(comparisons: list[Comparison]) -> list[tuple[Table, str]]:
             cost = row["gpu_hours per job"]
             bought = (f"{row['budget']:.4g}", f"{row['steps min']}-{row['steps max']}") if budget else ()
             table.add_row(row["method"], str(row["seeds"]),
-                          *(_pct(row[f"{label} mean"], row[f"{label} se"]) for label in [*c.models, "pair"]),
+                          *(_pct(row[f"{label} mean"], row[f"{label} sd"]) for label in [*c.models, "pair"]),
                           delta_text(row, c.reference), f"{row['P(improve)']:.2f}" if "P(improve)" in row else "-",
                           "-" if math.isnan(cost) else f"{cost:.4f}", *bought)
         out.append((table, c.note))
