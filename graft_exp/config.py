@@ -25,6 +25,19 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 
 from graft_exp import methods, scheduler
 from graft_exp.extras import MissingExtra, require
+from graft_exp.hyperparameters import (
+    CLIP_HIGH,
+    CLIP_LOW,
+    CLIP_RATIO_C,
+    HACPO_KL_COEF,
+    HACPO_MINIBATCH_PROMPTS,
+    HACPO_PEER_CLIP_INIT,
+    HACPO_PEER_CLIP_STEP,
+    HACPO_SELF_CLIP_HIGH,
+    HACPO_SELF_CLIP_LOW,
+    LUFFY_GAMMA,
+    SGT_LAMBDA,
+)
 
 BACKENDS = ("local", "verl")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -64,14 +77,12 @@ def added_setting(reproduces: Any, *, default: Any = _REPRODUCES, default_factor
 class HacpoConfig:
     """HACPO's released configuration (paper App. B; official code recipe/hacpo)."""
 
-    # The same numbers as graft_exp.algorithms.hacpo's HACPO_* defaults (test_config checks it); written
-    # out here because the config layer does not import torch.
-    self_clip_low: float = 3e-4
-    self_clip_high: float = 4e-4
-    peer_clip_init: float = 0.8      # L_m = min(1, init + step * m)
-    peer_clip_step: float = 0.025
-    kl_coef: float = 1e-3
-    minibatch_prompts: int = 64
+    self_clip_low: float = HACPO_SELF_CLIP_LOW
+    self_clip_high: float = HACPO_SELF_CLIP_HIGH
+    peer_clip_init: float = HACPO_PEER_CLIP_INIT      # L_m = min(1, init + step * m)
+    peer_clip_step: float = HACPO_PEER_CLIP_STEP
+    kl_coef: float = HACPO_KL_COEF
+    minibatch_prompts: int = HACPO_MINIBATCH_PROMPTS
 
 
 @dataclass
@@ -96,12 +107,12 @@ class MethodConfig:
     advantages: str = "source"        # source-computed | pooled over receiver + peer group
     peer_responses: str = "all"       # all | success (success-only transfer)
     dynamic_sampling: bool = False    # DAPO: drop zero-variance groups, refill the batch
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_ratio_c: float = 3.0         # verl's dual clip for A < 0, the same for every method (GRPO's loss)
+    clip_low: float = CLIP_LOW
+    clip_high: float = CLIP_HIGH
+    clip_ratio_c: float = CLIP_RATIO_C
     adv_eps: float = 1e-6
-    sgt_lambda: float = 0.1           # SGT's NLL coefficient
-    luffy_gamma: float = 0.1          # LUFFY's f(x) = x / (x + gamma)
+    sgt_lambda: float = SGT_LAMBDA
+    luffy_gamma: float = LUFFY_GAMMA
     source_rule: str = "most_successes"   # a group of K > 2: which of several qualifying sources a receiver takes
     # A peer copy longer than the receiver's response limit in its tokens: drop | train (graft_exp.methods.CUT_COPIES).
     # Runs before the setting trained it as cut; transferring methods drop it (conf/method/graft.yaml).

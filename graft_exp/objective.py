@@ -26,6 +26,7 @@ from graft_exp.algorithms import (
     sequence_ratio_policy_loss,
     sgt_nll_loss,
 )
+from graft_exp.hyperparameters import CLIP_HIGH, CLIP_LOW, LUFFY_GAMMA, SGT_LAMBDA
 from graft_exp.registry import Registry
 
 #: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
@@ -55,11 +56,11 @@ class LossSpec:
     loss function). Single-model GRPO is ``graft`` with no peer rows, which is the token-mean GRPO loss (eq. 2)."""
 
     kind: str                       # an ``OBJECTIVES`` key: graft | sequence_ratio | luffy | sgt | hacpo
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = CLIP_LOW
+    clip_high: float = CLIP_HIGH
     clip_ratio_c: float | None = None   # verl's dual clip for negative advantages (every method sets 3.0)
-    luffy_gamma: float = 0.1
-    sgt_lambda: float = 0.1
+    luffy_gamma: float = LUFFY_GAMMA
+    sgt_lambda: float = SGT_LAMBDA
     hacpo_self_clip_low: float = HACPO_SELF_CLIP_LOW
     hacpo_self_clip_high: float = HACPO_SELF_CLIP_HIGH
     hacpo_cross_clip_delta: float = HACPO_CROSS_CLIP_DELTA

@@ -13,7 +13,6 @@ from support.optional import from_verl
 
 from graft_exp.algorithms import (
     HACPO_KL_COEF,
-    HACPO_MINIBATCH_PROMPTS,
     balanced_exchange,
     hacpo_advantages,
     hacpo_capability,
@@ -26,6 +25,7 @@ from graft_exp.algorithms import (
     kl_estimate,
     peer_last_minibatches,
 )
+from graft_exp.hyperparameters import HACPO_MINIBATCH_PROMPTS
 
 
 def test_capability_is_windowed_mean_of_positive_rates():

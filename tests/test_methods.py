@@ -14,11 +14,11 @@ from graft_exp.algorithms import (
     HACPO_CROSS_CLIP_DELTA,
     HACPO_CROSS_CLIP_STEP,
     HACPO_KL_COEF,
-    HACPO_MINIBATCH_PROMPTS,
     HACPO_SELF_CLIP_HIGH,
     HACPO_SELF_CLIP_LOW,
 )
 from graft_exp.config import ConfigError, HacpoConfig, MethodConfig, validate
+from graft_exp.hyperparameters import HACPO_MINIBATCH_PROMPTS
 from graft_exp.objective import OBJECTIVES, LossSpec
 from graft_exp.registry import RuleParam
 
@@ -75,15 +75,16 @@ def test_components_answer_what_the_code_asks(compose_cfg):
     assert methods.resolve(compose_cfg("method=grpo_n8").method).loss.kind == "graft"
 
 
-def test_hacpo_defaults_are_the_released_ones_everywhere():
-    config, spec = HacpoConfig(), LossSpec(kind="hacpo")
-    assert (config.self_clip_low, config.self_clip_high, config.peer_clip_step, config.kl_coef,
-            config.minibatch_prompts) == (HACPO_SELF_CLIP_LOW, HACPO_SELF_CLIP_HIGH, HACPO_CROSS_CLIP_STEP,
-                                          HACPO_KL_COEF, HACPO_MINIBATCH_PROMPTS)
-    assert config.peer_clip_init == pytest.approx(1 - HACPO_CROSS_CLIP_DELTA)
-    assert spec.hacpo_self_clip_low == HACPO_SELF_CLIP_LOW and spec.hacpo_kl_coef == 0   # the KL: the peer loss's
-    assert methods.resolve(OmegaConf.structured(MethodConfig(name="hacpo", peer_loss="hacpo"))).loss.hacpo_kl_coef \
-        == HACPO_KL_COEF
+def test_hacpo_s_released_settings_reach_its_loss_spec():
+    """Written once (graft_exp.hyperparameters); the resolved method's loss spec carries the config's settings
+    (the peer clamp's delta as 1 - init, as the pure function's default), and the KL is the peer loss's."""
+    spec = methods.resolve(OmegaConf.structured(MethodConfig(name="hacpo", peer_loss="hacpo"))).loss
+    assert (spec.hacpo_self_clip_low, spec.hacpo_self_clip_high, spec.hacpo_cross_clip_delta,
+            spec.hacpo_cross_clip_step, spec.hacpo_kl_coef) == (HACPO_SELF_CLIP_LOW, HACPO_SELF_CLIP_HIGH,
+                                                              HACPO_CROSS_CLIP_DELTA, HACPO_CROSS_CLIP_STEP,
+                                                              HACPO_KL_COEF)
+    assert HacpoConfig().minibatch_prompts == HACPO_MINIBATCH_PROMPTS
+    assert LossSpec(kind="hacpo").hacpo_kl_coef == 0
 
 
 def test_cost_families_are_in_the_cost_tables():
@@ -155,11 +156,11 @@ def test_control_flows_one_way():
         assert not any(m.startswith("graft_exp.backends") for m in imported_modules(root / name)), name
     # the registry names the pure math of graft_exp.algorithms, its peer losses (the receiver batch they build)
     # and the receiver losses (graft_exp.objective, which itself needs only the name tables and the math)
-    below = {"algorithms", "objective", "registry", "peer_losses", "receiver", "rollouts"}
+    below = {"algorithms", "objective", "registry", "peer_losses", "receiver", "rollouts", "hyperparameters"}
     assert not [m for m in imported_modules(root / "methods.py")
                 if m.startswith("graft_exp") and m.split(".")[1] not in below]
     assert not [m for m in imported_modules(root / "objective.py")
-                if m.startswith("graft_exp") and m.split(".")[1] not in {"algorithms", "registry"}]
+                if m.startswith("graft_exp") and m.split(".")[1] not in {"algorithms", "registry", "hyperparameters"}]
     graph, circles = package_imports(), []
 
     def visit(module: str, path: list[str]) -> None:

@@ -11,7 +11,6 @@ from .hacpo import (
     HACPO_CROSS_CLIP_DELTA,
     HACPO_CROSS_CLIP_STEP,
     HACPO_KL_COEF,
-    HACPO_MINIBATCH_PROMPTS,
     HACPO_SELF_CLIP_HIGH,
     HACPO_SELF_CLIP_LOW,
     hacpo_advantages,

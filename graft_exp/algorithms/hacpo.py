@@ -34,14 +34,19 @@ from collections.abc import Sequence
 
 import torch
 
+from graft_exp.hyperparameters import (
+    HACPO_KL_COEF,
+    HACPO_PEER_CLIP_INIT,
+    HACPO_PEER_CLIP_STEP,
+    HACPO_SELF_CLIP_HIGH,
+    HACPO_SELF_CLIP_LOW,
+)
+
 from ._checks import check_finite, check_group_size, check_mask_like, check_ndim, check_row_vector
 
-HACPO_SELF_CLIP_LOW = 3e-4
-HACPO_SELF_CLIP_HIGH = 4e-4
-HACPO_CROSS_CLIP_DELTA = 0.2
-HACPO_CROSS_CLIP_STEP = 0.025
-HACPO_KL_COEF = 1e-3
-HACPO_MINIBATCH_PROMPTS = 64
+#: The peer clamp's lower bound, L_m = min(1, 1 - delta + m * step): the config's init = 1 - delta.
+HACPO_CROSS_CLIP_DELTA = 1.0 - HACPO_PEER_CLIP_INIT
+HACPO_CROSS_CLIP_STEP = HACPO_PEER_CLIP_STEP
 
 
 def hacpo_positive_rate(rewards: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from graft_exp.hyperparameters import CLIP_HIGH, CLIP_LOW, LUFFY_GAMMA
+
 from ._checks import check_clip, check_finite, check_mask_like, check_ndim, check_row_vector
 
 #: Bound on |log ratio| before exponentiating, as verl does, so that a far-off token cannot overflow.
@@ -165,8 +167,8 @@ def graft_policy_loss(
     advantages: torch.Tensor,
     weights: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_low: float = CLIP_LOW,
+    clip_high: float = CLIP_HIGH,
     *,
     is_peer: torch.Tensor | None = None,
     num_tokens: int | None = None,
@@ -197,8 +199,8 @@ def sequence_ratio_policy_loss(
     advantages: torch.Tensor,
     weights: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_low: float = CLIP_LOW,
+    clip_high: float = CLIP_HIGH,
     *,
     is_peer: torch.Tensor | None = None,
     num_tokens: int | None = None,
@@ -226,7 +228,7 @@ def sequence_ratio_policy_loss(
     return _token_mean_loss(objective, weights, ratio, log_ratio, clipped, present, is_peer, num_tokens)
 
 
-def luffy_shaping(prob: torch.Tensor, gamma: float = 0.1) -> torch.Tensor:
+def luffy_shaping(prob: torch.Tensor, gamma: float = LUFFY_GAMMA) -> torch.Tensor:
     """LUFFY's regularised importance-sampling shaping f(p) = p / (p + gamma)."""
     if not gamma > 0:
         raise ValueError(f"gamma must be > 0, got {gamma!r}")
@@ -239,12 +241,12 @@ def luffy_policy_loss(
     advantages: torch.Tensor,
     weights: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_low: float = CLIP_LOW,
+    clip_high: float = CLIP_HIGH,
     *,
     is_peer: torch.Tensor | None = None,
     num_tokens: int | None = None,
-    gamma: float = 0.1,
+    gamma: float = LUFFY_GAMMA,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``graft_luffy`` (App. G): peer tokens contribute -f(pi_theta(token)) * A with f(p) = p/(p+gamma)
