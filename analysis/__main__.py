@@ -25,6 +25,8 @@ from rich.table import Table as RichTable
 from analysis import compare, decisions, figures, methods, readme, render, tables
 from analysis.results import Analysis
 from analysis.store import ANALYSIS_TAG, StoreUnavailable, load_store
+from graft_exp import schema
+from graft_exp.launching.comparison import REFERENCE
 
 console = Console(stderr=True)
 
@@ -137,7 +139,7 @@ def cmd_methods(args) -> None:
             sweep = plan(args.sweep, [])
         except SweepError as error:
             raise StoreUnavailable(str(error)) from None
-        experiments, keys = experiments or [f"graft/{sweep.study}"], {sj.job.key for sj in sweep.jobs}
+        experiments, keys = experiments or [schema.experiment_name(sweep.study)], {sj.job.key for sj in sweep.jobs}
     results = methods.job_results(MlflowClient(args.tracking_uri), experiments, args.where or [], keys, args.by)
     found = comparison.compare(results, args.reference, args.by)
     if not found:
@@ -164,7 +166,7 @@ def cmd_transfers(args) -> None:
     from analysis import transfers
 
     client = MlflowClient(args.tracking_uri)
-    ids = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")
+    ids = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)
            if args.experiment is None or e.name in args.experiment]
     table, paths = transfers.write(client, ids, args.out)
     if table.empty:
@@ -228,7 +230,7 @@ def parser() -> argparse.ArgumentParser:
             command.set_defaults(handler=handler)
             continue
         if name == "decisions":
-            command.add_argument("--reference", default="grpo_n8",
+            command.add_argument("--reference", default=REFERENCE,
                                  help="the equal-compute table's reference method (whose cost is the budget)")
             command.set_defaults(handler=handler)
             continue

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from graft_exp.config import MODELS_FILE, MethodConfig
 from graft_exp.methods import METHODS
+from graft_exp.schema import NO_PEER
 
 #: The paper's benchmark order (Table 1); benchmarks of other suites follow alphabetically.
 BENCH_ORDER = ("math500", "aime2024", "aime2025", "amc23", "minerva")
@@ -55,6 +56,11 @@ SOURCE_RULE_PARAM = "method.source_rule"
 BEST_PEER = "best_peer"
 
 SINGLE_MODEL_METHODS = ("grpo_n8", "grpo_n16", "grpo_n32", "grpo_ds")
+
+
+def peer_of(method: str, peer: str) -> str:
+    """The ``graft.peer`` a run of ``method`` with ``peer`` records: ``schema.NO_PEER`` for a model trained alone."""
+    return NO_PEER if method in SINGLE_MODEL_METHODS else peer
 N8_METHODS = ("grpo_n8", "hacpo", "sgt", "graft")
 
 #: Paper-style names of the methods, from their declarations (graft_exp/methods.py).

@@ -38,7 +38,7 @@ BUDGET_PARAMS = (*BUDGET_KEYS, "study")
 
 
 def _experiments(client: MlflowClient, names: list[str] | None) -> list[str]:
-    exps = client.search_experiments(filter_string="name LIKE 'graft/%'")
+    exps = client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)
     return [e.experiment_id for e in exps if names is None or e.name in names]
 
 

@@ -23,6 +23,7 @@ import pandas as pd
 
 from analysis import catalog, rules, tables
 from analysis.results import Analysis
+from graft_exp.schema import NO_PEER
 
 log = logging.getLogger("analysis")
 CURVE_METHODS = catalog.CURVE_METHODS
@@ -60,7 +61,7 @@ def validation_curves(a: Analysis, out: Path) -> list[Path]:
             drawn = 0
             for method in CURVE_METHODS:
                 run_id = a.find("val-curves", method, model,
-                                "none" if method in catalog.SINGLE_MODEL_METHODS else peer, need_tests=False)
+                                catalog.peer_of(method, peer), need_tests=False)
                 curve = a.store.series(run_id, "val/avg") * scale if run_id else pd.Series(dtype=float)
                 if curve.empty:
                     continue
@@ -105,7 +106,7 @@ def rescue_fraction(a: Analysis, out: Path) -> list[Path]:
     model_a, model_b = a.pairs[pair]
     success = {}
     for model in (model_a, model_b):
-        run_id = a.find("rescue-fraction", "grpo_n8", model, "none", need_tests=False)
+        run_id = a.find("rescue-fraction", "grpo_n8", model, NO_PEER, need_tests=False)
         success[model] = _prompt_success(a, run_id) if run_id else None
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     if all(frame is not None for frame in success.values()):
@@ -131,7 +132,7 @@ def rescue_matrix_points(a: Analysis) -> pd.DataFrame:
     for group, members in a.groups.items():
         success = {}
         for model in members:
-            run_id = a.find("group-rescue-matrix", "grpo_n8", model, "none", need_tests=False)
+            run_id = a.find("group-rescue-matrix", "grpo_n8", model, NO_PEER, need_tests=False)
             if run_id and a.model_runs.loc[run_id, "pair"] == group:
                 success[model] = _prompt_success(a, run_id)
         for receiver in members:
@@ -338,7 +339,7 @@ def seed_curve_points(a: Analysis) -> pd.DataFrame:
                 curves, best = {}, []
                 for seed in a.seeds_of(pair):
                     run_id = a.find("val-curves-seeds", method, model,
-                                    "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed,
+                                    catalog.peer_of(method, peer), seed,
                                     need_tests=False)
                     if run_id:
                         curves[seed] = a.store.series(run_id, "val/avg") * a.scale

@@ -15,6 +15,7 @@ import pandas as pd
 
 from analysis import catalog, rules
 from analysis.store import RunStore, seed_study_pairs
+from graft_exp.schema import NO_PEER
 
 log = logging.getLogger("analysis")
 
@@ -61,7 +62,7 @@ class Analysis:
     @cached_property
     def model_runs(self) -> pd.DataFrame:
         runs = self.store.model_runs.copy()
-        runs["peer"] = runs["peer"].fillna("none")
+        runs["peer"] = runs["peer"].fillna(NO_PEER)
         runs["method_key"] = [self._method_key(r) for _, r in runs.iterrows()]
         has_tests = self.store.history[self.store.history["key"].str.startswith("test/")]["run_id"].unique()
         runs["has_tests"] = runs.index.isin(has_tests)
@@ -145,7 +146,7 @@ class Analysis:
         """Model runs of ``pair``'s two models: co-trained with each other, or trained alone."""
         models = set(self.pairs[pair])
         runs = self.model_runs
-        return runs[runs["model"].isin(models) & (runs["peer"].isin(models) | runs["peer"].eq("none"))]
+        return runs[runs["model"].isin(models) & (runs["peer"].isin(models) | runs["peer"].eq(NO_PEER))]
 
     def seeds_of(self, pair: str) -> list[int]:
         """Every seed any method ran with on ``pair`` (a seed table's columns to fill)."""

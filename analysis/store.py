@@ -105,7 +105,7 @@ def graft_experiments(client: MlflowClient, names: list[str] | None) -> dict[str
         if absent:
             raise StoreUnavailable(f"no experiment named {', '.join(absent)} in the tracking store")
     else:
-        selected = {i: n for i, n in found.items() if n.startswith("graft/")}
+        selected = {i: n for i, n in found.items() if n.startswith(schema.EXPERIMENT_PREFIX)}
         if not selected:
             raise StoreUnavailable("the tracking store has no experiment whose name starts with 'graft/'")
     return selected

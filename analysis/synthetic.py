@@ -20,6 +20,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from analysis import catalog
+from graft_exp import schema
+from graft_exp.schema import NO_PEER
 
 _MAX_METRICS, _MAX_PARAMS = 1000, 100  # MLflow's log_batch limits per request
 
@@ -30,7 +32,7 @@ class ModelSpec:
 
     model: str
     role: str
-    peer: str = "none"
+    peer: str = NO_PEER
     n: int = 8
     best_step: int | None = None
     test: dict[str, list[float]] = field(default_factory=dict)  # bench -> one value per evaluation run
@@ -80,7 +82,7 @@ def write_jobs(tracking_uri: str, jobs: list[JobSpec], artifact_root: Path) -> l
     start_ms = int(time.time() * 1000)
     model_run_ids = []
     for job in jobs:
-        experiment = _experiment_id(client, f"graft/{job.study}", artifact_root)
+        experiment = _experiment_id(client, schema.experiment_name(job.study), artifact_root)
         common = {"graft.method": job.method, "graft.pair": job.pair, "graft.seed": job.seed}
         parent = client.create_run(experiment, tags={**common, "graft.study": job.study, "graft.backend": "verl",
                                                      "graft.run_key": f"{job.study}-{job.method}-{job.pair}-{job.seed}",
@@ -233,7 +235,7 @@ def _jobs_for(rng, method, pair, seed, study, delta, model_a, model_b, quality, 
             if (method, model, seed) in grpo_done:
                 continue  # one GRPO baseline per (model, n, seed), shared by every pair
             grpo_done.add((method, model, seed))
-            specs.append(_model_spec(rng, model, role, "none", n, quality[model] + 0.01 * (n // 8), offsets[model],
+            specs.append(_model_spec(rng, model, role, NO_PEER, n, quality[model] + 0.01 * (n // 8), offsets[model],
                                      with_prompts=(method == "grpo_n8" and seed == 0), **common))
         if not specs:
             return []

@@ -15,6 +15,7 @@ import pandas as pd
 from analysis import catalog, rules
 from analysis.results import Analysis, Missing
 from graft_exp.intervals import standard_error
+from graft_exp.schema import NO_PEER
 from graft_exp.scores import job_score
 
 AVG = rules.AVG
@@ -134,7 +135,7 @@ def main_results(a: Analysis) -> Table:
     table = Table(label, "Results of cross-model rollout exchange during co-training." + OVER_EVAL_RUNS, benches)
     for model in updated_models(a, pairs):
         table.items.append(Band(f"Updated policy: {catalog.model_display(model)}", "pair"))
-        grpo = {m: _checkpoint_row(a, label, m, model, "none", benches) for m in ("grpo_n8", "grpo_n16", "grpo_n32")}
+        grpo = {m: _checkpoint_row(a, label, m, model, NO_PEER, benches) for m in ("grpo_n8", "grpo_n16", "grpo_n32")}
         table.items += list(grpo.values())
         block_rows = list(grpo.values())
         for pair, peer in peer_blocks(a, model, pairs):
@@ -192,10 +193,10 @@ def _study_block(a: Analysis, table: Table, model: str, peer: str, sections, ful
             table.items.append(Band(title, "section"))
         for method, label in methods:
             row = _checkpoint_row(a, table.label, method, model,
-                                  "none" if method in catalog.SINGLE_MODEL_METHODS else peer, benches, label)
+                                  catalog.peer_of(method, peer), benches, label)
             table.items.append(row)
             rows.append(row)
-    grpo = _checkpoint_row(a, table.label, "grpo_n8", model, "none", benches)
+    grpo = _checkpoint_row(a, table.label, "grpo_n8", model, NO_PEER, benches)
     table.items.append(grpo)
     _set_deltas([*rows, grpo], full)
 
@@ -277,7 +278,7 @@ def training_variance(a: Analysis) -> Table:
     for pair in pairs:
         table.items.append(_pair_band(a, pair))
         for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
-            grpo = _seed_row(a, label, "grpo_n8", model, "none", benches)
+            grpo = _seed_row(a, label, "grpo_n8", model, NO_PEER, benches)
             ours = _seed_row(a, label, "graft", model, peer, benches, ours=True)
             table.items += [Band(catalog.model_display(model), "model"), grpo, ours]
             for row, cells in zip((grpo, ours), rules.better_of_two(_means([grpo, ours], [*benches, AVG])).values()):
@@ -295,7 +296,7 @@ def replay_results(a: Analysis) -> Table:
     for pair in pairs:
         table.items.append(_pair_band(a, pair))
         for model, peer in ((a.pairs[pair][0], a.pairs[pair][1]), (a.pairs[pair][1], a.pairs[pair][0])):
-            rows = [_checkpoint_row(a, label, "grpo_n8", model, "none", benches),
+            rows = [_checkpoint_row(a, label, "grpo_n8", model, NO_PEER, benches),
                     _checkpoint_row(a, label, "graft", model, peer, benches, ours=True),
                     _checkpoint_row(a, label, "graft_stored", model, peer, benches)]
             table.items += [Band(catalog.model_display(model), "model"), *rows]
@@ -374,8 +375,8 @@ def compute(a: Analysis) -> Table:
             separate = method in catalog.SINGLE_MODEL_METHODS
             found = {}
             for model, peer in ((model_a, model_b), (model_b, model_a)):
-                found[model] = (peer if not separate else "none",
-                                a.find(label, method, model, "none" if separate else peer))
+                found[model] = (peer if not separate else NO_PEER,
+                                a.find(label, method, model, NO_PEER if separate else peer))
             for model, (peer, run_id) in found.items():
                 row = _checkpoint_row(a, label, method, model, peer, benches, ours=method.startswith("graft"))
                 other = found[model_b if model == model_a else model_a][1]
@@ -490,7 +491,7 @@ def _seed_scores(a: Analysis, label: str, method: str, model: str, peer: str, se
     and the standard error of that mean's Avg (s.d. over the evaluation runs / sqrt(runs); NaN for one run)."""
     rows = {}
     for seed in seeds:
-        run_id = a.find(label, method, model, "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed)
+        run_id = a.find(label, method, model, catalog.peer_of(method, peer), seed)
         if run_id:
             runs = a.scores(run_id, benches)
             rows[seed] = runs.mean()
@@ -569,7 +570,7 @@ def compute_seeds(a: Analysis) -> Table:
             separate = method in catalog.SINGLE_MODEL_METHODS
             records = {}
             for seed in seeds:
-                found = {model: a.find(label, method, model, "none" if separate else peer, seed)
+                found = {model: a.find(label, method, model, NO_PEER if separate else peer, seed)
                          for model, peer in ((model_a, model_b), (model_b, model_a))}
                 if None in found.values():
                     continue
@@ -594,7 +595,7 @@ def _mean_costs(a: Analysis, label: str, method: str, model: str, peer: str, see
     """Device-hours of the model's training (its own share of its job) and of its whole job, mean over seeds."""
     own, job = [], []
     for seed in seeds:
-        run_id = a.find(label, method, model, "none" if method in catalog.SINGLE_MODEL_METHODS else peer, seed)
+        run_id = a.find(label, method, model, catalog.peer_of(method, peer), seed)
         if run_id:
             cost, job_cost = a.model_cost(run_id), a.job_cost(run_id)
             own.append(cost.iloc[-1] if len(cost) else math.nan)
@@ -621,14 +622,14 @@ def group_seeds(a: Analysis) -> Table:
         all_peers = a.source_rules(group)
         for model in members:
             others = [m for m in members if m != model]
-            cells = [("grpo_n8", "none"), *(("graft", peer) for peer in others),
+            cells = [("grpo_n8", NO_PEER), *(("graft", peer) for peer in others),
                      *((method, ",".join(others)) for method in all_peers)]
             scores = {(method, peer): _seed_scores(a, label, method, model, peer, seeds, benches)
                       for method, peer in cells}
             singles = {peer: scores[("graft", peer)][AVG].mean() for peer in others
                        if not scores[("graft", peer)].empty}
             best = max(singles, key=singles.get) if singles else None
-            references = {"grpo_n8": scores[("grpo_n8", "none")],
+            references = {"grpo_n8": scores[("grpo_n8", NO_PEER)],
                           catalog.BEST_PEER: scores[("graft", best)] if best else pd.DataFrame(columns=[AVG])}
             table.items.append(Band(f"Updated policy: {catalog.model_display(model)}", "model"))
             for method, peer in cells:

@@ -43,7 +43,7 @@ def train(store: Path, *overrides: str) -> None:
 
 
 def job_run(client: MlflowClient, study: str):
-    runs = client.search_runs([client.get_experiment_by_name(f"graft/{study}").experiment_id],
+    runs = client.search_runs([client.get_experiment_by_name(schema.experiment_name(study)).experiment_id],
                               f"tags.`{schema.STUDY}` = '{study}'")
     return next(r for r in runs if schema.MODEL not in r.data.tags)
 

@@ -26,6 +26,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from graft_exp import methods as registry
+from graft_exp import schema
 from graft_exp.config import register_schemas
 from graft_exp.config import roles as members
 
@@ -77,7 +78,7 @@ def run_job(method: str, steps: int, tmp: str, group: str | None, also: tuple[st
         print(proc.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{method} {group or ''} failed")
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(f"graft/{study}")
+    exp = client.get_experiment_by_name(schema.experiment_name(study))
     job = [r for r in client.search_runs([exp.experiment_id], f"tags.`graft.method` = '{method}'")
            if "mlflow.parentRunId" not in r.data.tags]
     assert len(job) == 1, (method, len(job))

@@ -82,7 +82,7 @@ def move_checkpoints(config: dict, before: str, after: str, root: Path | None, d
 def rekey_store(uri: str, checkpoint_root: Path | None = None, dry_run: bool = False) -> list[Rekeyed]:
     """Re-key every run of every ``graft/`` experiment of ``uri`` (see the module docstring)."""
     client = MlflowClient(uri)
-    experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    experiments = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)]
     runs = client.search_runs(experiments, f"tags.`{schema.RUN_KEY}` != ''", max_results=50000) if experiments \
         else []
     jobs = {r.info.run_id: r for r in runs if PARENT_TAG not in r.data.tags}

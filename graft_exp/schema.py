@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import re
 
+#: A study's MLflow experiment: ``graft/<study>``. The analysis, the comparisons and every run lookup read these
+#: experiments only (``GRAFT_EXPERIMENTS``); ``python -m graft_exp.preflight`` records its jobs under
+#: ``graft-preflight/<study>``, which none of them sees.
+EXPERIMENT_PREFIX = "graft/"
+PREFLIGHT_PREFIX = "graft-preflight/"
+GRAFT_EXPERIMENTS = f"name LIKE '{EXPERIMENT_PREFIX}%'"
+
+
+def experiment_name(study: str, preflight: bool = False) -> str:
+    return f"{PREFLIGHT_PREFIX if preflight else EXPERIMENT_PREFIX}{study}"
+
+
 #: The job's environment (graft_exp.environment), tags of the job run set at creation and on every
 #: resume: library versions ("none" when not installed); GPU, driver and CUDA only where there is a GPU.
 ENV_PREFIX = "graft.env."
@@ -101,6 +113,8 @@ CHARGES = {"gpu_hours": GPU_HOURS, "flops": FLOPS}
 TRAIN, VAL, TEST = "train/", "val/", "test/"      # prefixes of MODEL_METRICS' train/*, val/<bench>, test/<bench>
 BEST_STEP = "graft.best_step"
 RUN_KEY, MODEL, PEER, ROLE = "graft.run_key", "graft.model", "graft.peer", "graft.role"
+#: ``graft.peer`` of a model trained alone (a GRPO baseline): it has no peer.
+NO_PEER = "none"
 RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"

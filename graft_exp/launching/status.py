@@ -30,7 +30,7 @@ def fetch_runs(uri: str) -> pd.DataFrame:
     """Every run of every ``graft/`` experiment that carries a ``graft.run_key``, newest first: job
     runs and model runs alike (one query per page, whatever the study)."""
     client = MlflowClient(uri)
-    exps = {e.experiment_id: e.name for e in client.search_experiments(filter_string="name LIKE 'graft/%'")}
+    exps = {e.experiment_id: e.name for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)}
     rows, token = [], None
     while exps:
         page = client.search_runs(list(exps), "", max_results=5000, page_token=token,

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from graft_exp import tracking
+from graft_exp import schema, tracking
 from graft_exp.launching import status, summary
 from graft_exp.launching.callbacks import SWEEP_ENV
 from graft_exp.launching.jobs import CONF_DIR, Job
@@ -143,7 +143,7 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
     manifest.parent.mkdir(parents=True, exist_ok=True)
     # The store exists before anything (this loop included) reads it: concurrent first-time
     # schema creation by two processes crashes one of them.
-    tracking.ensure_store(sweep.uri, f"graft/{sweep.study}")
+    tracking.ensure_store(sweep.uri, schema.experiment_name(sweep.study))
     attempted: set[str] = set()
     seen: dict[str, str] = {}
     launches: list[Launch] = []

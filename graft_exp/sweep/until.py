@@ -70,7 +70,7 @@ def check_resumed_rule(sweep: Sweep, s: Settings) -> None:
     """Refuse to resume, with another rule, a sweep whose last until-decided run did not finish: its rounds were
     looked at under the first rule, and the second's level would not hold over the looks of both."""
     client = MlflowClient(sweep.uri)
-    experiment = client.get_experiment_by_name(f"graft/{sweep.study}")
+    experiment = client.get_experiment_by_name(schema.experiment_name(sweep.study))
     if experiment is None:
         return
     runs = client.search_runs([experiment.experiment_id], f"tags.`{schema.ANALYSIS}` = 'until-decided' and "
@@ -86,7 +86,7 @@ def check_resumed_rule(sweep: Sweep, s: Settings) -> None:
 
 def open_record(sweep: Sweep, s: Settings) -> tuple[MlflowClient, str]:
     """The sweep's own MLflow run, with the rule and its settings."""
-    experiment_id = tracking.ensure_store(sweep.uri, f"graft/{sweep.study}")
+    experiment_id = tracking.ensure_store(sweep.uri, schema.experiment_name(sweep.study))
     client = MlflowClient(sweep.uri)
     run = client.create_run(experiment_id, run_name=f"until-decided-{sweep.path.stem}", tags={
         schema.ANALYSIS: "until-decided", schema.SWEEP: str(sweep.path), schema.STUDY: sweep.study,

@@ -86,7 +86,7 @@ class TrackedRun:
 
 def find_run(client: MlflowClient, key: str):
     """The newest run, in any graft/ experiment, whose graft.run_key is ``key`` (or None)."""
-    exps = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    exps = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)]
     if not exps:
         return None
     runs = client.search_runs(exps, f"tags.`graft.run_key` = '{key}'", max_results=1,
@@ -230,7 +230,7 @@ def stored_log_run(client: MlflowClient, cfg: DictConfig, peer: str):
     """The run whose trajectory log ``graft_stored`` replays when ``peer`` is the source: the newest
     FINISHED GRPO n=8 model run of ``peer`` with this seed, in any graft/ experiment (or None). Any
     backend's run of that model qualifies: the model key names the weights."""
-    experiments = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'graft/%'")]
+    experiments = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)]
     if not experiments:
         return None
     query = (f"tags.`graft.method` = '{replayed_method(cfg)}' and tags.`graft.model` = '{peer}' and "
@@ -367,7 +367,7 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     or it belongs to another job run (a shared baseline that job is training, or will resume)."""
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
-        schema.PEER: peer_key(cfg, role) if cfg.method.co_train else "none",
+        schema.PEER: peer_key(cfg, role) if cfg.method.co_train else schema.NO_PEER,
         schema.ROLE: role, schema.N: str(cfg.method.n), schema.DATA_ORDER: data_order(cfg),
         **snapshot_tags(cfg.models[cfg.pair[role]]), **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),

@@ -15,6 +15,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
+from graft_exp import schema
 from graft_exp.cache import cache_dir
 
 # MLflow 3.x records an experiment's kind in this tag; the UI's experiment-kind selector writes it.
@@ -86,13 +87,9 @@ def _check_database(uri: str, timeout_s: float) -> None:
         engine.dispose()
 
 
-#: Where ``python -m graft_exp.preflight`` records its jobs: outside ``graft/``, so that no analysis, comparison or
-#: run lookup of experiments ever sees them.
-PREFLIGHT_PREFIX = "graft-preflight/"
-
-
 def experiment_name(cfg: DictConfig) -> str:
-    return f"{PREFLIGHT_PREFIX if cfg.get('preflight') else 'graft/'}{cfg.study}"
+    """The job's experiment (``schema.experiment_name``): ``graft/<study>``, a preflight's outside it."""
+    return schema.experiment_name(str(cfg.study), bool(cfg.get("preflight")))
 
 
 def sqlite_file(uri: str) -> Path | None:
