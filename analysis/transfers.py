@@ -24,7 +24,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from graft_exp import schema
-from graft_exp.transfers import read_log
+from graft_exp.transfers import prompt_outcomes, read_log
 
 Z = 1.959963984540054   # the 97.5 % normal quantile
 
@@ -48,6 +48,10 @@ def newcombe(a: tuple[int, int], b: tuple[int, int]) -> tuple[float, float, floa
     return d, d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2), d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
 
 
+PROMPT_COLUMNS = ["prompt_id", "subject", "receiver", "k_receiver", "k_source", "received", "k_after", "source",
+                  "admitted", "logp_mean", "candidate", "control"]
+
+
 def prompt_rows(log: pd.DataFrame) -> pd.DataFrame:
     """One row per (step, prompt) of one receiver's log: whether any source's group was received, whether it is
     a candidate (the receiver failed it entirely, its source, or for a prompt not received any source, solved
@@ -59,20 +63,14 @@ def prompt_rows(log: pd.DataFrame) -> pd.DataFrame:
     logp = admitted.groupby(["step", "prompt_index"])["receiver_logp_mean"].mean()
     count = admitted.groupby(["step", "prompt_index"]).size()
     selected = log[log["selected"]].groupby(["step", "prompt_index"])
-    chosen, chosen_k = selected["source"].first(), selected["k_source"].first()
-    grouped = log.groupby(["step", "prompt_index"])
-    prompts = grouped.agg(prompt_id=("prompt_id", "first"), subject=("subject", "first"),
-                          receiver=("receiver", "first"), k_receiver=("k_receiver", "first"),
-                          k_source=("k_source", "max"), received=("selected", "any"),
-                          k_after=("k_receiver_after", "first"))
-    prompts["source"] = chosen.reindex(prompts.index)
+    by = ["step", "prompt_index"]
+    prompts = log.groupby(by).agg(prompt_id=("prompt_id", "first"), subject=("subject", "first"),
+                                  receiver=("receiver", "first")).join(prompt_outcomes(log, by))
+    prompts["source"] = selected["source"].first().reindex(prompts.index)
     prompts["admitted"] = count.reindex(prompts.index).fillna(0).astype(int)
     prompts["logp_mean"] = logp.reindex(prompts.index)
-    # A received prompt's source is the one it came from; a control's, any that solved it.
-    prompts["k_source"] = chosen_k.reindex(prompts.index).fillna(prompts["k_source"]).astype(int)
-    prompts["candidate"] = (prompts["k_receiver"] == 0) & (prompts["k_source"] > 0)
     prompts["control"] = ~prompts["received"] & prompts["candidate"]
-    return prompts.reset_index()
+    return prompts[PROMPT_COLUMNS].reset_index()
 
 
 def next_visits(prompts: pd.DataFrame, success: pd.DataFrame) -> pd.Series:

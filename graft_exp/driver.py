@@ -41,7 +41,7 @@ from graft_exp.exchange import REPLAYED, peer_solved_frac, plan_step, rollout_me
 from graft_exp.objective import LossSpec
 from graft_exp.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
-from graft_exp.scores import checkpoint_score, job_score
+from graft_exp.scores import checkpoint_score, job_score, rescue_candidate
 from graft_exp.seeds import derive_seed
 from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
 from graft_exp.transfers import Scored, group_rows, transfer_metrics
@@ -359,8 +359,8 @@ class Driver:
         """The receiver's successes after its update on the prompts it received a group on and on its controls
         (prompts it failed entirely that some source solved, not received): {prompt: k}."""
         received = torch.stack([mask for _, mask in pairs]).any(dim=0)
-        solved = torch.stack([sources[s].k > 0 for s, _ in pairs]).any(dim=0)
-        probed = torch.nonzero(received | (solved & (own.rollouts.k == 0))).flatten().tolist()
+        candidates = torch.stack([rescue_candidate(own.rollouts.k, sources[s].k) for s, _ in pairs]).any(dim=0)
+        probed = torch.nonzero(received | candidates).flatten().tolist()
         if not probed:
             return {}
         problems = [own.problems[q] for q in probed]

@@ -33,6 +33,7 @@ from graft_exp.algorithms import resolve_sources
 from graft_exp.methods import Method
 from graft_exp.receiver import Scorer
 from graft_exp.rollouts import Rollouts
+from graft_exp.scores import rescue_candidate
 
 #: The source of a receiver's transfers from a replayed log (stored replay) in ``plan_step``'s transfer masks.
 REPLAYED = "replayed"
@@ -132,7 +133,7 @@ def peer_solved_frac(own: Rollouts, peers: list[Rollouts]) -> float:
     all_fail = own.k == 0
     if not bool(all_fail.any()):
         return float("nan")
-    solved = torch.stack([peer.k[all_fail] >= 1 for peer in peers]).any(dim=0)
+    solved = torch.stack([rescue_candidate(own.k, peer.k)[all_fail] for peer in peers]).any(dim=0)
     return float(solved.float().mean())
 
 

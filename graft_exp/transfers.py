@@ -46,6 +46,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from graft_exp.scores import rescue_candidate
+
 SCHEMA = pa.schema([
     ("step", pa.int32()), ("receiver", pa.string()), ("source", pa.string()), ("prompt_id", pa.string()),
     ("prompt_index", pa.int32()), ("subject", pa.string()), ("sample", pa.int32()), ("k_source", pa.int32()),
@@ -109,6 +111,18 @@ def group_rows(step: int, receiver: str, source: str, problems: Sequence, source
     return rows
 
 
+def prompt_outcomes(log: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """One row per prompt of one receiver's log (``by``: the columns that name a prompt): ``received`` (a source's
+    group was), ``k_receiver``, ``k_source`` (a received prompt's, from the source it came from; a control's, the
+    most any source solved), ``k_after`` (the probe's) and ``candidate`` (``scores.rescue_candidate``)."""
+    chosen_k = log[log["selected"]].groupby(by)["k_source"].first()
+    prompts = log.groupby(by).agg(received=("selected", "any"), k_receiver=("k_receiver", "first"),
+                                  k_any=("k_source", "max"), k_after=("k_receiver_after", "first"))
+    prompts["k_source"] = chosen_k.reindex(prompts.index).fillna(prompts["k_any"]).astype(int)
+    prompts["candidate"] = rescue_candidate(prompts["k_receiver"], prompts["k_source"])
+    return prompts.drop(columns="k_any")
+
+
 def transfer_metrics(rows: dict[str, list]) -> dict[str, float]:
     """A receiver's per-step metrics from its transfer-log rows: the peer responses admitted into its update and,
     where the probe ran, of its candidates (prompts it failed entirely that the source solved) the share it now
@@ -117,12 +131,8 @@ def transfer_metrics(rows: dict[str, list]) -> dict[str, float]:
     out = {"transfers/admitted": float(frame["admitted"].sum())}
     probed = frame[frame["k_receiver_after"] >= 0]
     if not probed.empty:
-        # a received prompt's source is the one it came from; a control's, any that solved it
-        k_source = probed["k_source"].where(probed["selected"], -1).groupby(probed["prompt_index"]).max()
-        prompts = probed.groupby("prompt_index").agg(received=("selected", "any"), k_after=("k_receiver_after", "first"),
-                                                     k_receiver=("k_receiver", "first"), k_any=("k_source", "max"))
-        prompts["k_source"] = k_source.where(prompts["received"], prompts["k_any"])
-        candidates = prompts[(prompts["k_receiver"] == 0) & (prompts["k_source"] > 0)]
+        prompts = prompt_outcomes(probed, ["prompt_index"])
+        candidates = prompts[prompts["candidate"]]
         for name, part in (("absorbed", candidates[candidates["received"]]),
                            ("control_absorbed", candidates[~candidates["received"]])):
             if not part.empty:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from graft_exp.scores import rescue_candidate
+
 from ._checks import check_binary, check_finite, check_group_size, check_ndim, check_success_counts
 
 
@@ -23,7 +25,7 @@ def _check_pair(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> None:
 def complementary_candidates(k_source: torch.Tensor, k_receiver: torch.Tensor, n: int) -> torch.Tensor:
     """C_{S->R} of eq. (3): the receiver failed all n rollouts and the source has 1 <= k < n."""
     _check_pair(k_source, k_receiver, n)
-    return (k_receiver == 0) & (k_source >= 1) & (k_source < n)
+    return rescue_candidate(k_receiver, k_source) & (k_source < n)
 
 
 def select_with_ties(candidates: torch.Tensor, k_src: torch.Tensor, m: int) -> torch.Tensor:
@@ -87,7 +89,7 @@ def sgt_rescue_prompts(k_a: torch.Tensor, k_b: torch.Tensor, n: int) -> tuple[to
     """SGT's selection (App. B): the receiver has no success and the peer at least one (k = n included),
     both directions, no balancing. Returns ``(a_to_b, b_to_a)``."""
     _check_pair(k_a, k_b, n)
-    return (k_b == 0) & (k_a >= 1), (k_a == 0) & (k_b >= 1)
+    return rescue_candidate(k_b, k_a), rescue_candidate(k_a, k_b)
 
 
 
