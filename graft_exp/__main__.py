@@ -4,6 +4,11 @@ to the driver (``driver.fit``) with the configured backend."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,6 +31,25 @@ def check_launch_mode(cfg: DictConfig) -> None:
         command = " ".join(["python -m graft_exp -m", *hydra_cfg.overrides.task])
         raise ConfigError(f"cluster={cfg.cluster.name} launches multiruns only (Hydra runs a single job here, "
                           f"in this process); nothing launched. Submit it as a one-job sweep: {command}")
+
+
+@contextmanager
+def job_temporary_folder() -> Iterator[str]:
+    """The job's temporary files (vLLM's sockets, verl's checkpoint locks, torch's and multiprocessing's scratch,
+    in every process the job starts: they inherit ``TMPDIR``) in a folder of its own, removed when the job ends
+    however it ends; the next job of a multirun's process gets its own."""
+    folder = tempfile.mkdtemp(prefix="graft-job-")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    try:
+        yield folder
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -63,7 +87,8 @@ def main(cfg: DictConfig) -> None:
     # The driver closes the job's runs (FINISHED, FAILED, KILLED). A preempted or timed-out Slurm job leaves
     # through SystemExit (submitit checkpoints, requeues and exits): the runs stay RUNNING, and the requeued
     # job resumes them by their run_key.
-    driver.fit(cfg, job, backend_factory(cfg.backend.name))
+    with job_temporary_folder():
+        driver.fit(cfg, job, backend_factory(cfg.backend.name))
     if HydraConfig.get().mode == RunMode.RUN:   # a multirun prints one table of its jobs, and the link, at its end
         summary.print_job(cfg.tracking.uri, job.run_id, f"{cfg.pair.name} / {cfg.method.name} / seed {cfg.seed}")
         log.info(tracking.compare_hint(cfg.tracking.uri, job.client.get_run(job.run_id).info.experiment_id))

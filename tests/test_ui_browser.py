@@ -86,6 +86,7 @@ def server(store, tmp_path_factory) -> str:
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
                                  "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                                 stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

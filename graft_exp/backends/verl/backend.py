@@ -117,6 +117,7 @@ class VerlBackend:
         self.models: dict[str, VerlModel] = {}
         self.scorers: dict[str, vb.PeerScorer] = {}
         self.step = 0
+        self.ray_temp_dir: str | None = None   # the private Ray's folder, removed by close (create sets it)
         for role in roles:   # an earlier process's staged best: a resume takes the checkpoint's (load)
             shutil.rmtree(self.staged_best(role), ignore_errors=True)
 
@@ -273,6 +274,8 @@ class VerlBackend:
             model.stop()
         if ray.is_initialized():
             ray.shutdown()
+        if self.ray_temp_dir:   # the private Ray's sessions, logs and sockets: nothing of the job left in /tmp
+            shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
 
     def save(self, directory: Path, step: int) -> None:
         """Each model's state under ``directory/<role>`` and its staged best (hard links) under
@@ -318,10 +321,10 @@ def create(cfg: DictConfig, method: Method, roles: list[str], run_dir: Path) -> 
     backend.build(train_file, val_files, hf_tokenizer(model_path(cfg, roles[0])))
     # The GPUs of the pools this job starts: a single-model job whose other member's shared baseline already
     # finished was allocated (resources.job_plan) and runs one pool only.
+    ray_kwargs = ray_init_kwargs(backend.models[roles[0]].config, logprob_path=cfg.backend.logprob_path)
+    backend.ray_temp_dir = None if cfg.backend.ray_address else ray_kwargs["_temp_dir"]
     start_local_ray(num_gpus=len(roles) * int(cfg.backend.gpus_per_model), job_dir=backend.dir,
-                    address=cfg.backend.ray_address, init_kwargs=ray_init_kwargs(backend.models[roles[0]].config,
-                                                                 logprob_path=cfg.backend.logprob_path),
-                    num_cpus=len(os.sched_getaffinity(0)))
+                    address=cfg.backend.ray_address, init_kwargs=ray_kwargs, num_cpus=len(os.sched_getaffinity(0)))
     if int(cfg.backend.nnodes) > 1:
         local_models = {f"model of {role}": model_path(cfg, role) for role in roles
                         if os.path.isdir(model_path(cfg, role))}   # a hub id is fetched by each node itself

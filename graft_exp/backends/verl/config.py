@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import tempfile
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
@@ -120,9 +119,9 @@ def ray_init_kwargs(config: DictConfig, token: str | None = None, logprob_path: 
     runtime_env.setdefault("env_vars", {})[JOB_TOKEN_ENV] = token
     # The log-prob path the plan counted (backend.logprob_path), whatever the node's shell says.
     runtime_env["env_vars"]["VERL_DISABLE_FLASH_ATTN_CE"] = "0" if logprob_path == "flash_attn_ce" else "1"
-    # Ray's Unix socket paths must stay under ~107 bytes: a short directory in the node's temp space.
-    base = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
-    return {"runtime_env": runtime_env, "_temp_dir": os.path.join(base, f"graft-ray-{token}")}
+    # Ray's Unix socket paths must stay under ~107 bytes: a short directory in the node's /tmp (not the job's
+    # temporary folder, which is longer), removed by the backend when the job ends (``VerlBackend.close``).
+    return {"runtime_env": runtime_env, "_temp_dir": f"/tmp/graft-ray-{token}"}
 
 
 @lru_cache(maxsize=1)
