@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import methods, prompts, reward, schema, tracking
+from graft_exp import step_record as record
 from graft_exp.algorithms import (
     dynamic_sampling_batch_full,
     dynamic_sampling_group_mask,
@@ -37,15 +38,13 @@ from graft_exp.config import peers, roles, total_steps
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
-from graft_exp.exchange import REPLAYED, peer_solved_frac, plan_step, rollout_metrics
-from graft_exp.objective import LossSpec
+from graft_exp.exchange import REPLAYED, plan_step
 from graft_exp.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scores import checkpoint_score, job_score, rescue_candidate
 from graft_exp.seeds import derive_seed
-from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success, write_step
-from graft_exp.transfers import Scored, group_rows, transfer_metrics
-from graft_exp.transfers import write_step as write_transfers
+from graft_exp.trajectories import read_log, step_rollouts, write_prompt_success
+from graft_exp.transfers import Scored, transfer_metrics
 
 log = logging.getLogger("graft_exp.driver")
 #: DAPO's cap on prompt batches drawn to fill one dynamic-sampling batch (its ``max_num_gen_batches``).
@@ -258,11 +257,14 @@ class Driver:
         counts = self.each(update)
         # 4. Record: per-model metrics, the trajectory log, GPU-hours and counted FLOPs; then (not charged) the
         #    transfer log, with the receivers' successes after the update where the probe is on.
-        metrics = {role: self.record(role, step, own, batches[role], counts[role],
-                                     self.peer_rollouts(role, own, sources[role])) for role in roles}
+        metrics = {role: record.model_step(self.root, role, step, own[role], batches[role], counts[role],
+                                           self.peer_rollouts(role, own, sources[role]), method.loss,
+                                           bool(method.co_train)) for role in roles}
         job_metrics.update(self.charge(timer.seconds, time.perf_counter() - started, metrics))
         if transfers:
-            for role, rows in self.transfer_log(step, own, batches, orders, transfers, sources, scored).items():
+            probe = self.probe if self.cfg.train.probe_transfers else None
+            for role, rows in record.transfer_log(self.root, step, own, batches, orders, transfers, sources, scored,
+                                                  probe).items():
                 metrics[role].update(transfer_metrics(rows))
         return metrics, job_metrics
 
@@ -325,36 +327,6 @@ class Driver:
         batch.metrics["peer_copies_cut"] = float(len(cut))
         return self.method.cut_copies(batch, cut) if cut else batch
 
-    def transfer_log(self, step: int, own: dict[str, Sampled], batches: dict[str, ReceiverBatch],
-                     orders: dict[str, list[list[int]]], transfers: dict, plan_sources: dict[str, Rollouts | None],
-                     scored: dict[str, Scored]) -> dict[str, dict]:
-        """Each receiver's transfer log of this step (``graft_exp.transfers``), written beside its trajectory log;
-        with ``train.probe_transfers``, the receiver samples again, after its update, the prompts it received a
-        group on and the ones it could have (it failed them all, a source solved some: the controls). Draws
-        nothing the training uses. Returns each receiver's rows."""
-        out = {}
-        for receiver, batch in batches.items():
-            pairs = [(s, mask) for (s, r), mask in transfers.items() if r == receiver]
-            if not pairs:
-                continue
-            sources = {s: (plan_sources[receiver] if s == REPLAYED else own[s].rollouts) for s, _ in pairs}
-            minibatch = {g: index for index, groups in enumerate(orders[receiver]) for g in groups}
-            mine = own[receiver].rollouts
-            after = self.probe(receiver, step, own[receiver], pairs, sources) if self.cfg.train.probe_transfers else {}
-            own_prompts = {row.prompt for row in batch.rows if row.origin != PEER}
-            parts = []
-            for s, selected in pairs:
-                taken = selected.tolist()
-                admitted = {(r.prompt, r.sample): (r.weight, minibatch.get(r.group, -1)) for r in batch.rows
-                            if r.origin == PEER and taken[r.prompt]}
-                admitted.update({(q, i): (1.0, minibatch.get(q, -1)) for q, i in batch.nll if taken[q]})
-                replaced = set(range(len(taken))) - own_prompts
-                parts.append(group_rows(step, mine.model, sources[s].model, own[receiver].problems, sources[s],
-                                        mine.k.tolist(), taken, admitted, replaced, scored[receiver], after))
-            write_transfers(self.root / "transfers" / receiver, step, parts)
-            out[receiver] = {name: [v for part in parts for v in part[name]] for name in parts[0]}
-        return out
-
     def probe(self, role: str, step: int, own: Sampled, pairs: list, sources: dict[str, Rollouts]) -> dict[int, int]:
         """The receiver's successes after its update on the prompts it received a group on and on its controls
         (prompts it failed entirely that some source solved, not received): {prompt: k}."""
@@ -377,24 +349,6 @@ class Driver:
         if self.method.config.dynamic_sampling:
             return {}
         return {peer: own[peer].rollouts for peer in peers(self.cfg.pair, role) if peer in own}
-
-    def record(self, role: str, step: int, own: dict[str, Sampled], batch: ReceiverBatch,
-               counts: dict[str, float], peer_rollouts: dict[str, Rollouts]) -> dict[str, float]:
-        """Model ``role``'s step metrics (``schema.MODEL_METRICS``) and its trajectory-log entry."""
-        rollouts = own[role].rollouts
-        m = {schema.TRAIN + k: v for k, v in rollout_metrics(rollouts).items()}
-        m.update(update_metrics(counts, self.method.loss))
-        if self.method.co_train:
-            m.update({schema.TRAIN + k: v for k, v in batch.metrics.items()})
-        if own[role].logprob_gap is not None:
-            m[schema.TRAIN + "rollout_logprob_gap"] = own[role].logprob_gap
-        if peer_rollouts:
-            m[schema.TRAIN + "peer_solved_frac"] = peer_solved_frac(rollouts, list(peer_rollouts.values()))
-        if len(peer_rollouts) > 1:   # a group: what each peer solved of this model's all-fail prompts
-            m.update({schema.peer_solved_metric(peer): peer_solved_frac(rollouts, [r])
-                      for peer, r in peer_rollouts.items()})
-        write_step(self.root / "trajectories" / role, step, rollouts, own[role].token_ids)
-        return m
 
     def charge(self, busy: dict[str, float], wall: float, metrics: dict[str, dict[str, float]]) -> dict[str, float]:
         """Add the step's two charges to each model's metrics: device-hours (``step_costs``) and its counted
@@ -567,17 +521,6 @@ class Driver:
         self.root.mkdir(parents=True, exist_ok=True)
         path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         self.job.log_artifact(path)
-
-
-def update_metrics(counts: dict[str, float], spec: LossSpec) -> dict[str, float]:
-    """``train/loss`` (mean over the step's minibatches), ``train/clipfrac_self`` and ``train/clipfrac_peer``
-    from the step's summed counts (tokens; sequences for HACPO), as a backend's ``update`` returns them.
-    The peer fraction is NaN (not logged) at a step without peer tokens."""
-    kind = "seqs" if spec.sequence_level else "tokens"
-    own, peer = counts.get(f"{kind}_self", 0.0), counts.get(f"{kind}_peer", 0.0)
-    return {schema.TRAIN + "loss": counts["loss"],
-            schema.TRAIN + "clipfrac_self": counts.get(f"clipped_{kind}_self", 0.0) / max(own, 1.0),
-            schema.TRAIN + "clipfrac_peer": counts.get(f"clipped_{kind}_peer", 0.0) / peer if peer > 0 else float("nan")}
 
 
 def stored_logs(cfg: DictConfig, client, download_to: Path) -> dict:
