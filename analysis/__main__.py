@@ -126,6 +126,12 @@ def cmd_compare(args) -> None:
     frame = compare.compare(regenerated)
     paths = compare.write(frame, args.out)
     console.print(f"compared {frame['ours'].notna().sum()} of {len(frame)} paper cells; wrote {paths[0]}")
+    judged = compare.reproduction(regenerated)
+    paths = compare.write_reproduction(judged, args.out)
+    counts = judged["verdict"].value_counts()
+    console.print(f"reproduction of {len(judged)} paper means over seeds: "
+                  + ", ".join(f"{counts.get(v, 0)} {v}" for v in (compare.WITHIN, compare.OUTSIDE, compare.FEW_SEEDS))
+                  + f"; wrote {paths[0]} and {paths[1]}")
 
 
 def cmd_methods(args) -> None:

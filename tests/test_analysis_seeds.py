@@ -221,3 +221,39 @@ def test_tiny_page_section_is_generated_and_its_figures_exist():
     for name in readme.FIGURES:
         assert (docs / "tiny" / f"{name}.png").stat().st_size > 0
         assert f"](tiny/{name}.png)" in generated
+
+
+def test_the_reproduction_report_judges_each_paper_mean_by_our_seeds(built, store_uri, tmp_path):
+    """Paper values made up for the tiny pair, judged by the store's known seeds. GRAFT on A: Avg 34, 42, 56 (mean
+    44, s.d. sqrt(124)); on B: 21, 23, 25 (mean 23, s.d. 2); the ablation ran one seed."""
+    from analysis import compare
+
+    paper = pd.DataFrame([
+        # one paper run, judged by where one more of our runs would fall: 44 +- 4.302653 sqrt(124) sqrt(4/3)
+        ("main-results", A, B, "graft", "avg_mean", 40.0), ("main-results", A, B, "graft", "avg_std", 1.0),
+        # B: 23 +- 4.302653 * 2 * sqrt(4/3) = 23 +- 9.94: 40 is outside
+        ("main-results", B, A, "graft", "avg_mean", 40.0),
+        ("main-results", A, B, "graft_no_gate", "avg_mean", 35.0),
+        # Table 4's mean over the paper's three runs (s.d. 2) against ours (mean 23, s.d. 2, 3 seeds): Welch
+        ("training-variance", B, A, "graft", "avg_mean", 30.0), ("training-variance", B, A, "graft", "avg_std", 2.0),
+    ], columns=[*compare.KEYS, "paper"])
+    _, frames = built
+    judged = compare.reproduction(frames, paper).set_index(["table", "updated_model", "method"])
+    a = judged.loc[("main-results", A, "graft")]
+    half = T975_2 * math.sqrt(124) * math.sqrt(4 / 3)
+    assert (a["ours"], a["seeds"], a["diff"]) == (pytest.approx(44), 3, pytest.approx(4))
+    assert (a["diff_lo"], a["diff_hi"], a["verdict"]) == (pytest.approx(4 - half), pytest.approx(4 + half), "within")
+    b = judged.loc[("main-results", B, "graft")]
+    assert b["diff"] == pytest.approx(-17) and b["diff_hi"] == pytest.approx(-17 + T975_2 * 2 * math.sqrt(4 / 3))
+    assert b["verdict"] == "outside"
+    assert judged.loc[("main-results", A, "graft_no_gate"), "verdict"] == "not enough seeds"
+    welch = judged.loc[("training-variance", B, "graft")]   # equal s.d. and n: 4 degrees of freedom
+    assert welch["diff_hi"] == pytest.approx(-7 + 2.776445 * math.sqrt(4 / 3 + 4 / 3))
+    assert welch["verdict"] == "outside"
+
+    # the command: tables written, then compared from the files, the report beside compare.csv
+    assert cli.main(["tables", "--tracking-uri", store_uri, "--experiment", "graft/tiny", "--out", str(tmp_path)]) == 0
+    judged_from_files = compare.reproduction(compare.read_tables(tmp_path), paper)
+    assert list(judged_from_files["verdict"]) == ["within", "outside", "not enough seeds", "outside"]
+    compare.write_reproduction(judged_from_files, tmp_path)
+    assert "| main-results | 3 | 1 | 1 | 1 |" in (tmp_path / "reproduction.md").read_text()
