@@ -212,6 +212,19 @@ def test_keys_the_sweep_file_sets_cannot_be_overridden(override):
         plan(ROOT / "sweeps" / "main.yaml", [override])
 
 
+def test_only_selects_a_pair_or_methods_of_a_sweep_file_with_the_jobs_they_need():
+    """sweeps/stored.yaml on one pair and one method: GRAFT with stored trajectories and the GRPO runs it replays."""
+    sweep = plan(ROOT / "sweeps" / "stored.yaml", [], only=["pair=pair1", "method=graft_stored"])
+    jobs = {(sj.job.cfg.pair.name, sj.job.cfg.method.name) for sj in sweep.jobs}
+    assert jobs == {("pair1", "graft_stored"), ("pair1", "grpo_n8")}
+    (stored,) = [sj for sj in sweep.jobs if sj.job.cfg.method.name == "graft_stored"]
+    assert {n.job.cfg.method.name for n in stored.needs} == {"grpo_n8"}
+    with pytest.raises(SweepError, match="no job of .* has these values"):
+        plan(ROOT / "sweeps" / "main.yaml", [], only=["pair=pair9"])
+    with pytest.raises(SweepError, match="with a key .* sweeps"):
+        plan(ROOT / "sweeps" / "main.yaml", [], only=["train.lr=1e-5"])
+
+
 # ---------------------------------------------------------------------------------------------
 # --dry-run and --status on a real store
 

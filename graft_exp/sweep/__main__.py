@@ -80,12 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                       help="add rounds of seeds until the file's `decide:` comparisons are decided")
     parser.add_argument("--max-seeds", type=int, default=None,
                         help="--until-decided: the cap on seeds per method (default: decide.max_seeds, 12)")
+    parser.add_argument("--only", action="append", default=[], metavar="KEY=V1[,V2]",
+                        help="run the jobs whose swept KEY is one of these values (and the jobs they need), e.g. "
+                             "--only pair=pair1 --only method=graft,grpo_n8; repeatable")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (cluster=slurm ...)")
     args = parser.parse_intermixed_args(argv)
     problem = folder_problem(args.out)
     if problem:
         console.print(f"[red]error:[/] --out {escape(str(args.out))}: {escape(problem)}; give a folder for the "
                       "launches' Hydra folders", soft_wrap=True)
+        return 2
+    if args.only and args.until_decided:
+        console.print("[red]error:[/] --until-decided runs the file's `decide:` comparisons as a whole; drop --only")
         return 2
     if args.max_seeds is not None and not args.until_decided:
         console.print("[red]error:[/] --max-seeds caps --until-decided; add --until-decided or drop --max-seeds")
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.until_decided:
             spec = load(args.sweep)
             decide = settings(spec, file_seeds(spec), args.max_seeds, args.sweep)
-        sweep = plan(args.sweep, args.overrides)
+        sweep = plan(args.sweep, args.overrides, only=args.only)
         if decide is not None:
             listed = {str(sj.job.cfg.method.name) for sj in sweep.jobs}
             absent = [m for m in decide.methods if m not in listed]

@@ -139,16 +139,33 @@ def load(path: Path) -> dict:
     return spec
 
 
-def plan(path: Path, overrides: list[str], composer: Composer | None = None, spec: dict | None = None) -> Sweep:
+def selection(path: Path, spec: dict, only: list[str]) -> dict[str, set[str]]:
+    """``--only KEY=V1,V2 ...``: the values kept of each key the sweep file sweeps (a pair, a method, seeds)."""
+    swept = [k for grid in spec["runs"] for k in grid if k not in PLAN_KEYS]
+    chosen: dict[str, set[str]] = {}
+    for item in only:
+        key, _, values = item.partition("=")
+        if key not in swept or not values:
+            raise SweepError(f"--only {item}: give KEY=VALUE[,VALUE...] with a key {path} sweeps "
+                             f"({', '.join(dict.fromkeys(swept))})")
+        chosen.setdefault(key, set()).update(values.split(","))
+    return chosen
+
+
+def plan(path: Path, overrides: list[str], composer: Composer | None = None, spec: dict | None = None,
+         only: list[str] = ()) -> Sweep:
     """Compose every job of the sweep file ``path`` (or of ``spec``, a sweep file's content: a round of
-    ``--until-decided``) with the command-line ``overrides``."""
+    ``--until-decided``) with the command-line ``overrides``; with ``only`` (``--only pair=pair1``), the jobs whose
+    swept values are among those given, and the jobs they need (``after``, ``compute_of``)."""
     spec = spec or load(path)
     study = str(spec["study"])
+    chosen = selection(path, spec, list(only))
     swept = {"study", *(k for grid in spec["runs"] for k in grid if k not in PLAN_KEYS)}
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in swept:
-            raise SweepError(f"{path} sets {key}; override other keys only (or copy the sweep file)")
+            raise SweepError(f"{path} sets {key}; override other keys only (or --only {key}=..., or copy the "
+                             "sweep file)")
     owned = composer is None
     composer = composer or Composer([*overrides, f"study={study}"])
     try:
@@ -163,8 +180,12 @@ def plan(path: Path, overrides: list[str], composer: Composer | None = None, spe
                 order.append(job.key)
             return job.key
 
+        def selected(ovs: tuple[str, ...]) -> bool:
+            values = dict(o.split("=", 1) for o in ovs)
+            return all(values.get(key) in kept for key, kept in chosen.items())
+
         for grid in spec["runs"]:
-            for ovs in expand(grid):
+            for ovs in filter(selected, expand(grid)):
                 deps = [add(replace(ovs, change)) for change in _as_list(grid.get("after") or [])]
                 if grid.get("compute_of"):
                     # Equal compute: the budget is the reference job's charged cost, known once it has
@@ -174,6 +195,9 @@ def plan(path: Path, overrides: list[str], composer: Composer | None = None, spe
                     ovs = (*ovs, f"train.{BUDGET_SETTINGS[grid.get('compute_unit', 'gpu_hours')][1]}={reference}")
                 key = add(ovs)
                 after.setdefault(key, []).extend(d for d in deps if d != key)
+        if chosen and not order:
+            given = " ".join(f"--only {key}={','.join(sorted(kept))}" for key, kept in chosen.items())
+            raise SweepError(f"{given}: no job of {path} has these values")
         uri = composer.base.tracking.uri
     finally:
         if owned:
