@@ -39,7 +39,9 @@ def read_tables(out: Path) -> dict[str, pd.DataFrame]:
     """Tables written earlier by ``python -m analysis tables``: those the paper has values for, and ours over
     seeds."""
     labels = [*paper_values()["table"].unique(), *OVER_SEEDS]
-    return {label: pd.read_csv(out / f"{label}.csv") for label in labels if (out / f"{label}.csv").exists()}
+    # a table the store had no runs for is written as an empty file
+    return {label: pd.read_csv(out / f"{label}.csv") for label in labels
+            if (out / f"{label}.csv").exists() and (out / f"{label}.csv").stat().st_size > 1}
 
 
 def long_cells(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
