@@ -466,7 +466,10 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     engines.requests("A")
 
 
-@pytest.mark.parametrize("method", ["sgt", "hacpo", "grpo_ds"])
+# SGT's loss on verl's workers is test_verl_contract's (its NLL rows are peer copies, re-tokenized as GRAFT's, which
+# the graft job above trains on through vLLM); here each job adds what vLLM alone exercises: HACPO's the unseeded
+# engine stream, GRPO with dynamic sampling the refilled batches.
+@pytest.mark.parametrize("method", ["hacpo", "grpo_ds"])
 def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared, store_template, tmp_path,
                                                     engines, method, monkeypatch):
     """A step on half the graft job's batch, validations, a checkpoint and the final evaluation of the best
@@ -479,8 +482,8 @@ def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared,
     monkeypatch.setattr(driver, "MAX_GEN_BATCHES", 2)
     CheckedBackend.reset()
     batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"]
-    # SGT's job sends its requests unseeded (vLLM's batched sampler), the others with a seed each.
-    seeding = ["backend.seeded_requests=false"] if method == "sgt" else []
+    # HACPO's job sends its requests unseeded (vLLM's batched sampler), the others with a seed each.
+    seeding = ["backend.seeded_requests=false"] if method == "hacpo" else []
     cfg, job = job_maker(compose_cfg, paper_prepared, tmp_path, method, *batch, *seeding, "train.max_steps=1")()
     assert set(driver.fit(cfg, job, engines)) == {"A", "B"}
     check_job(job, cfg, steps=(1,))
