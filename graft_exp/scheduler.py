@@ -28,10 +28,13 @@ JOB_CORES_ENV = "GRAFT_JOB_CORES"
 
 def job_cores() -> int:
     """Cores this job may use: ``GRAFT_JOB_CORES`` where a launcher shares this machine's cores between
-    jobs, else the cores this process may run on (its affinity: Slurm's cpuset, taskset)."""
+    jobs, else the cores this process may run on: its affinity (Slurm's cpuset, taskset) and its cgroup's CPU quota
+    (a container's), as joblib counts them for the launcher's workers."""
     given = os.environ.get(JOB_CORES_ENV)
     if not given:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1   # macOS: no affinity
+        import joblib
+
+        return joblib.cpu_count()
     if not given.isdigit() or int(given) < 1:
         raise ValueError(f"{JOB_CORES_ENV}={given!r} is not a number of cores: set a positive integer, or unset it")
     return int(given)

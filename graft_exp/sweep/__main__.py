@@ -39,12 +39,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import joblib
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
-from graft_exp import resources, tracking
+from graft_exp import resources, scheduler, tracking
 from graft_exp.config import ConfigError, folder_problem, validate_job
 from graft_exp.sweep.decide import DecideError, settings
 from graft_exp.sweep.launch import run
@@ -127,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
     poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
     try:
-        # An exclusive cluster's multiruns share this machine's cores: together, one worker per core
-        # (joblib's count, the one its launcher uses for n_jobs=-1: affinity and cgroup quota).
+        # An exclusive cluster's multiruns share this machine's cores: together, one worker per core.
         exclusive = bool(cluster and cluster.get("exclusive"))
         overlap = bool(cluster and cluster.parallel and not exclusive)
-        cores = joblib.cpu_count() if exclusive else None
+        cores = scheduler.job_cores() if exclusive else None
         if decide is not None:
             return until_decided(args.sweep, spec, decide, args.overrides,
                                  launcher(args.overrides, args.out, overlap, poll, cores))
