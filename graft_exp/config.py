@@ -287,6 +287,13 @@ def peers(pair: DictConfig, role: str) -> list[str]:
     return [other for other in roles(pair) if other != role]
 
 
+def trained(pair: DictConfig, co_train: bool, unfinished: set[str]) -> list[str]:
+    """The members a job trains, given the roles whose model runs are not FINISHED: a single-model job trains those
+    (a shared GRPO baseline another job finished is skipped); co-trained models need each other, so all train
+    while any is unfinished (a job stopped between their final evaluations). None once every run has finished."""
+    return [role for role in roles(pair) if role in unfinished or (co_train and bool(unfinished))]
+
+
 def total_steps(cfg: DictConfig, num_problems: int) -> int:
     """Training steps of a job: ``train.max_steps``, or ``total_epochs`` passes over the training split of
     whole batches (the last partial batch of an epoch is dropped, as verl's dataloader does: 7,500 MATH

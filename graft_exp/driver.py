@@ -34,7 +34,7 @@ from graft_exp.algorithms import (
     dynamic_sampling_group_mask,
     grpo_advantages,
 )
-from graft_exp.config import peers, roles, total_steps
+from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
@@ -141,9 +141,7 @@ class Driver:
         # The verification workers a step's batch needs start while the models load.
         reward.default_pool().start(int(cfg.train.batch_prompts) * int(self.method.config.n))
         runs = {role: tracking.open_model_run(cfg, job, role) for role in members}
-        # Co-trained models need each other even if one run was already closed (a job stopped between
-        # their final evaluations); a single-model baseline someone else finished is skipped.
-        needed = [r for r in members if runs[r] is not None or (self.method.co_train and any(runs.values()))]
+        needed = trained(cfg.pair, bool(self.method.co_train), {r for r in members if runs[r] is not None})
         self.members = {role: Member(role, str(cfg.pair[role]), runs[role], replayed=replayed.get(role))
                         for role in needed}
         self.backend: Backend = backend_factory(cfg, self.method, needed, self.root) if needed else None

@@ -43,7 +43,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from graft_exp import resources, scheduler, tracking
-from graft_exp.config import ConfigError, roles, validate_job
+from graft_exp.config import ConfigError, roles, trained, validate_job
 from graft_exp.launching import status, summary
 
 log = logging.getLogger("graft_exp.launch")
@@ -180,17 +180,16 @@ def order_needs(jobs: list[PlannedJob], finished: set[str]) -> list[str]:
 
 
 def trained_roles(cfg: DictConfig, finished: set[str] | None = None) -> list[str]:
-    """The members the job ``cfg`` trains: all of a co-trained job; of a single-model job, those whose shared
-    GRPO baseline is not FINISHED (``finished``: run keys; default: read from the job's store when it exists,
-    creating nothing). The same rule as ``driver.Driver``'s ``needed``."""
+    """The members the job ``cfg`` trains (``config.trained``, the driver's rule) from the model runs FINISHED in
+    its store (``finished``: run keys; default: read from the job's store when it exists, creating nothing). A job
+    whose runs have all finished is skipped when it starts; it is planned as a whole."""
     members = roles(cfg.pair)
-    if cfg.method.co_train:
-        return members
     if finished is None:
         uri = cfg.tracking.uri
         db = tracking.sqlite_file(uri)
         finished = finished_keys({uri}) if db is None or db.exists() else set()
-    return [role for role in members if tracking.model_run_key(cfg, role) not in finished] or members
+    unfinished = {role for role in members if tracking.model_run_key(cfg, role) not in finished}
+    return trained(cfg.pair, bool(cfg.method.co_train), unfinished) or members
 
 
 def shared_gpus(cluster: str, jobs: list[PlannedJob]) -> str | None:
