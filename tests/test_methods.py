@@ -119,9 +119,11 @@ def name_comparisons(path: Path) -> list[str]:
     return found
 
 
-def test_no_method_routing_by_name_in_the_driver_exchange_or_backends():
+def test_no_method_routing_by_name_in_the_driver_exchange_backends_or_launchers():
     root = Path(methods.__file__).parent
-    files = [root / "driver.py", root / "exchange.py", root / "objective.py", *sorted((root / "backends").rglob("*.py"))]
+    files = [root / "driver.py", root / "step_record.py", root / "exchange.py", root / "objective.py",
+             *sorted((root / "backends").rglob("*.py")), *sorted((root / "launching").rglob("*.py")),
+             *sorted((root / "sweep").rglob("*.py"))]
     assert not [hit for path in files for hit in name_comparisons(path)]
 
 

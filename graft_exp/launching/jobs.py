@@ -197,8 +197,7 @@ def estimate_gpu_hours(cfg: DictConfig, trained: Sequence[str] = ()) -> float:
     method, steps = cfg.method.name, cfg.train.max_steps or PAPER_STEPS
     family = methods.declaration(method).cost_family
     if not cfg.method.co_train:
-        name = family if family in GRPO_GPU_HOURS[PAPER_PAIR[0]] else f"grpo_n{cfg.method.n}"
-        hours = sum(_grpo_hours(cfg.pair[role], name) for role in trained or roles(cfg.pair))
+        hours = sum(_grpo_hours(cfg.pair[role], family) for role in trained or roles(cfg.pair))
     else:
         pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in roles(cfg.pair))
         hours = CO_TRAIN_GPU_HOURS[family] * pair_cost / sum(_grpo_hours(m, "grpo_n8") for m in PAPER_PAIR)
