@@ -10,7 +10,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from graft_exp import tracking
-from graft_exp.launching import summary
+from graft_exp.launching import comparison, summary
 
 #: (method, seed) -> each model's final test averages over two evaluation runs.
 SCORES = {("grpo_n8", 0): ((0.40, 0.50), (0.30, 0.30)), ("grpo_n8", 1): ((0.50, 0.50), (0.40, 0.40)),
@@ -29,7 +29,7 @@ def write_store(new_store, tmp_path, scores=SCORES) -> tuple[str, list[tuple[str
         job = client.create_run(exp, tags={"graft.run_key": key, "graft.method": method, "graft.seed": str(seed),
                                            "graft.pair": "tiny"}).info.run_id
         params = {"method": method, "seed": str(seed), "train.max_steps": steps, "method.name": method,
-                  "method.delta": "0.7" if method == "graft" else "0.8", "tracking.uri": uri}
+                  "method.delta": "0.7" if method == "graft" else "0.8", "tracking.uri": uri, "study": "compare"}
         client.log_batch(job, params=[Param(k, v) for k, v in params.items()],
                          metrics=[Metric("cost/gpu_hours", 0.01 * (1 + (method == "graft")), 0, 1)])
         for role, model, runs in zip("AB", ("tiny-char-llama", "tiny-bpe-gpt2"), models):
@@ -189,3 +189,21 @@ def test_the_compared_setting_is_no_difference_in_settings():
             for steps, lr, seed in (("10", "1e-6", "0"), ("20", "1e-6", "1"), ("20", "2e-6", "0"))]
     assert differing_settings(jobs) == ["train.lr: 1e-6, 2e-6", "train.max_steps: 10, 20"]
     assert differing_settings(jobs, by="train.max_steps") == ["train.lr: 1e-6, 2e-6"]
+
+
+def test_a_comparison_that_fails_says_so_in_one_line_with_the_command_that_redoes_it(new_store, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """rliable's bootstrap failing (here: made to fail) loses no run: the jobs table is printed, then one line naming
+    the command that compares the same runs from the store, and the caller exits non-zero (print_jobs: False)."""
+    uri, jobs = write_store(new_store, tmp_path)
+
+    def fails(*_):
+        raise ValueError("bootstrap\nfailed")
+
+    monkeypatch.setattr(comparison, "rliable_measures", fails)
+    assert summary.print_jobs(uri, jobs, "multirun of 6 jobs: results") is False
+    out = capsys.readouterr().out
+    assert "multirun of 6 jobs: results" in out and "Traceback" not in out
+    (line,) = [line for line in out.splitlines() if "comparison failed" in line]
+    assert line == (f"the comparison failed: ValueError: bootstrap failed; the runs are recorded, compare them with: "
+                    f"python -m analysis methods --tracking-uri {uri} --experiment graft/compare")

@@ -402,17 +402,20 @@ class LaunchCallback(Callback):
             monitor = self.monitors.pop()
             monitor.stop.set()
             monitor.poll()   # the last word on every job, before Hydra's own summary
+        compared = True
         if not os.environ.get(SWEEP_ENV):   # python -m graft_exp.sweep prints one table for all its multiruns
             swept = varying_overrides(self.planned)
             for uri in sorted({job.cfg.tracking.uri for job in self.planned}):
                 labels = [(f"#{job.index} {' '.join(swept[job.index]) or 'defaults'}", job.key)
                           for job in self.planned if job.cfg.tracking.uri == uri]
-                summary.print_jobs(uri, labels, f"multirun of {len(self.planned)} jobs: results",
-                                   reference=self.planned[0].cfg.compare_to if self.planned else None)
+                compared &= summary.print_jobs(uri, labels, f"multirun of {len(self.planned)} jobs: results",
+                                               reference=self.planned[0].cfg.compare_to if self.planned else None)
         self.planned = []
         for (uri, _), experiment_id in sorted(self.experiments.items()):
             log.info(tracking.compare_hint(uri, experiment_id))
         self.experiments = {}
+        if not compared:
+            raise SystemExit(1)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if job_return.status == JobStatus.FAILED and os.environ.get("SUBMITIT_FOLDER"):

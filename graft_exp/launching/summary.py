@@ -138,11 +138,22 @@ def print_job(uri: str, run_id: str, label: str) -> None:
                   f"{'-' if result.flops is None else f'{result.flops:.3g}'} FLOPs counted (cost/flops)")
 
 
-def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str | None = None) -> None:
+def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str | None = None) -> bool:
     """The jobs table, then the comparison of their methods against ``reference`` (``compare_to``) wherever
-    methods share seeds (``comparison``)."""
+    methods share seeds (``comparison``). False when the comparison could not be made: said in one line, with
+    the command that makes it from the store (the jobs and their runs are recorded whatever it met)."""
     results = results_by_key(uri, jobs)
     console.print(jobs_table(results, title))
-    for table, note in comparison.tables(comparison.compare(results, reference)):
+    try:
+        shown = comparison.tables(comparison.compare(results, reference))
+    except Exception as err:  # noqa: BLE001 (any failure of the summary's statistics: the runs are safe)
+        studies = sorted({r.params["study"] for r in results if "study" in r.params}) or ["<study>"]
+        redo = " ".join(f"--experiment {schema.experiment_name(s)}" for s in studies)
+        console.print(f"[red]the comparison failed:[/] {type(err).__name__}: {' '.join(str(err).split())}; the runs "
+                      f"are recorded, compare them with: python -m analysis methods --tracking-uri {uri} {redo}",
+                      soft_wrap=True, highlight=False)
+        return False
+    for table, note in shown:
         console.print(table)
         console.print(note)
+    return True

@@ -179,11 +179,11 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
         time.sleep(poll_s)
     snap = snapshot(sweep, manifest, scheduler_too=True)
     report(sweep, snap, with_logs=True)
-    summary.print_jobs(sweep.uri, [(f"#{sj.index} {sj.job.label}", sj.key) for sj in sweep.jobs],
-                       f"{sweep.path} - study {sweep.study}: results",
-                       reference=sweep.jobs[0].job.cfg.compare_to if sweep.jobs else None)
+    compared = summary.print_jobs(sweep.uri, [(f"#{sj.index} {sj.job.label}", sj.key) for sj in sweep.jobs],
+                                  f"{sweep.path} - study {sweep.study}: results",
+                                  reference=sweep.jobs[0].job.cfg.compare_to if sweep.jobs else None)
     never = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
     for sj in never:
         console.print(f"  [yellow]not launched[/] #{sj.index} {sj.job.label}: what it needs did not finish")
-    return 0 if counts(sweep, snap)[status.DONE] == len(sweep.jobs) else 1
+    return 0 if compared and counts(sweep, snap)[status.DONE] == len(sweep.jobs) else 1
 
