@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted(p for folder in ("graft_exp", "analysis", "benchmarks") for p in (ROOT / folder).rglob("*.py"))
+SOURCES = sorted(p for folder in ("graft_exp", "analysis") for p in (ROOT / folder).rglob("*.py"))
 
 #: pattern -> the one file allowed to hold it (relative to the repository)
 HOMES = {
