@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 SMALL = ["seed=0", "train.batch_prompts=8", "train.minibatch_prompts=4", "eval.max_problems=2",
          "eval.runs=2", "eval.samples=1", "eval.val_every=1", "backend.progress=false", "backend.threads=1"]
-WALL_CLOCK = {"cost/gpu_hours"}
+WALL_CLOCK = {"cost/gpu_hours", "time/checkpoint_s"}
 
 
 def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from graft_exp import resources, tracking
+from graft_exp import resources, schema, tracking
 from graft_exp.config import ConfigError, register_schemas, validate_job
 from graft_exp.launching import summary
 
@@ -84,6 +84,9 @@ def main(cfg: DictConfig) -> None:
         return
     if job.resumed:
         log.info("resuming MLflow run %s (graft.run_key=%s)", job.run_id, tracking.run_key(cfg))
+    lead = HydraConfig.get().launcher.get("signal_delay_s")
+    if lead is not None:   # the checkpoint a warned job writes must fit in it (python -m graft_exp.preflight)
+        job.set_tags({schema.SIGNAL_LEAD: int(lead)})
     # The driver closes the job's runs (FINISHED, FAILED, KILLED). A preempted or timed-out Slurm job leaves
     # through SystemExit (submitit checkpoints, requeues and exits): the runs stay RUNNING, and the requeued
     # job resumes them by their run_key.

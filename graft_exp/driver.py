@@ -497,7 +497,9 @@ class Driver:
                     self.validate(step)
                 bar.advance({role: m[schema.TRAIN + "reward_mean"] for role, m in metrics.items()})
                 if step % save_every == 0 or last or step == stop_at_step:
-                    self.save_checkpoint(step)
+                    started = time.perf_counter()
+                    self.save_checkpoint(step)   # timed: the warning before a time limit must cover it
+                    self.job.log_metrics({schema.CHECKPOINT_SECONDS: time.perf_counter() - started}, step)
                 if step == stop_at_step:
                     return {}
                 if last:

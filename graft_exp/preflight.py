@@ -200,6 +200,22 @@ def check_checkpoint(folder: Path, plan: resources.Plan) -> Check:
     return Check("checkpoint", "job", PASS, f"{size:.3f} GB in {len(files)} files", expected)
 
 
+def check_checkpoint_time(seconds: list[float], lead: str | None) -> Check:
+    """The longest checkpoint write of the job (its models at full size: the miniature changes no shape) against the
+    launcher's warning before the time limit, in which a job stopped by the limit writes its last checkpoint."""
+    measured = f"{max(seconds):.1f} s" if seconds else "none recorded"
+    if not seconds:
+        return Check("checkpoint time", "job", FAIL, measured, "each checkpoint timed", "see the job's log")
+    if lead is None:
+        return Check("checkpoint time", "job", INFO, measured, "no time limit warns this launcher's jobs")
+    expected = f"< {lead} s (hydra.launcher.signal_delay_s: the warning before the time limit)"
+    if max(seconds) >= float(lead):
+        return Check("checkpoint time", "job", FAIL, measured, expected,
+                     f"a job stopped at its time limit would lose its last steps: raise hydra.launcher.signal_delay_s "
+                     f"above {2 * max(seconds):.0f}, or checkpoint more often (train.save_every)")
+    return Check("checkpoint time", "job", PASS, measured, expected)
+
+
 def check_job(run, rc: int) -> list[Check]:
     """The job ran to its end and its run reached the store from where it ran."""
     if run is None:
@@ -260,6 +276,8 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
     costs = [(m.step, m.value) for m in client.get_metric_history(job.info.run_id, schema.GPU_HOURS)]
     rows.append(check_time(cfg, full, costs, tokens))
     rows.append(check_checkpoint(run_directory(cfg), plan))
+    written = [m.value for m in client.get_metric_history(job.info.run_id, schema.CHECKPOINT_SECONDS)]
+    rows.append(check_checkpoint_time(written, job.data.tags.get(schema.SIGNAL_LEAD)))
     verdict = FAIL if any(r.status == FAIL for r in rows) else PASS
     client.set_tag(job.info.run_id, PREFLIGHT_TAG, verdict)
     client.log_text(job.info.run_id, json.dumps([asdict(r) for r in rows], indent=1), "preflight/report.json")

@@ -48,6 +48,8 @@ JOB_TAGS = {
     "graft.run_key_before": "by python -m graft_exp.rekey, when it changed graft.run_key: the key it replaced",
     "graft.prompt_date": "at creation: the date chat templates that read the clock render (kept on resume)",
     "graft.preflight": "on a preflight's job run (experiment graft-preflight/<study>), after its checks: pass | fail",
+    "graft.signal_lead_s": "at the job's start, under a launcher that warns before the time limit: the seconds between "
+                           "the warning (USR2) and the limit (hydra.launcher.signal_delay_s)",
     **ENV_TAGS,
 }
 #: Tags of a model run (child of the job run, one per trained model).
@@ -73,6 +75,7 @@ JOB_METRICS = {
     "cost/gpu_hours": "every step: cumulative joint cost, GPUs x training-step wall seconds / 3600",
     "cost/flops": "every step: cumulative counted FLOPs of the training steps, the sum of its models'",
     "score": "at the end (step 0), when every model of the job was evaluated: the job's score (graft_exp.scores)",
+    "time/checkpoint_s": "at each checkpoint: the seconds writing it took (every model's state, the loop's, the rename)",
     "exchange/A_to_B": "every step of an online co-trained method: prompts selected A -> B",
     "exchange/B_to_A": "every step of an online co-trained method: prompts selected B -> A",
     "exchange/<S>_to_<R>": "every step of an online co-trained group: prompts receiver R took from S, each ordered pair",
@@ -118,6 +121,7 @@ NO_PEER = "none"
 RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"
+SIGNAL_LEAD, CHECKPOINT_SECONDS = "graft.signal_lead_s", "time/checkpoint_s"
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, BUDGET_FLOPS, LAST_STEP = "graft.budget_gpu_hours", "graft.budget_flops", "graft.last_step"

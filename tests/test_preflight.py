@@ -50,6 +50,7 @@ def test_the_tiny_pair_passes_its_preflight_through_slurm_and_no_analysis_sees_i
         assert rows["weight sync", model] == NOT_HERE     # one engine on the local backend: never a pass
     assert rows["job", "job"] == rows["tracking", "job"] == rows["checkpoint", "job"] == PASS
     assert rows["host memory", "job"] == NOT_HERE   # the job ran on a node: sacct's MaxRSS, not this process's
+    assert rows["checkpoint time", "job"] == PASS and job.data.tags[schema.SIGNAL_LEAD] == "120"   # Slurm's USR2 lead
     assert rows["package torch", "job"] == PASS and rows["time", "job"] == "info"   # no App. D figure for CPU pairs
     assert "generated tokens per device-s" in report.read_text()
     assert "preflight" in done.stdout and "tiny-char-llama" in done.stdout
@@ -137,3 +138,11 @@ def test_a_job_far_slower_than_the_paper_s_fails_the_time_check(compose_cfg):
     assert preflight.check_time(mini, full, [(1, per_step_ok), (2, 2 * per_step_ok)]).status == PASS
     slow = preflight.check_time(mini, full, [(1, per_step_ok), (2, 4 * per_step_ok)])
     assert slow.status == FAIL and "App. D: 43.3 GPU-h" == slow.expected
+
+
+def test_a_checkpoint_slower_than_the_warning_before_the_time_limit_fails():
+    assert preflight.check_checkpoint_time([3.0, 41.5], "120").status == PASS
+    slow = preflight.check_checkpoint_time([3.0, 130.0], "120")
+    assert slow.status == FAIL and "hydra.launcher.signal_delay_s above 260" in slow.fix
+    assert preflight.check_checkpoint_time([3.0], None).status == preflight.INFO   # cluster=local: no time limit
+    assert preflight.check_checkpoint_time([], "120").status == FAIL
