@@ -489,9 +489,11 @@ def validate_method(cfg: DictConfig) -> None:
                           f"{cfg.pair.name} has {members}: use a pair (pair=...), or method=graft or sgt")
 
 
-def backend_installed(name: str) -> None:
-    """The backend's optional packages (graft_exp.extras): ``backend=verl`` needs the ``verl`` extra."""
-    if name == "verl":
+def backend_installed(cfg: DictConfig) -> None:
+    """The backend's optional packages (graft_exp.extras): ``backend=verl`` needs the ``verl`` extra where the job
+    trains. A login node that submits to Slurm needs only the base install (and ``prepare``'s, to prepare): the job
+    checks again in its own process on the node, before anything starts there."""
+    if cfg.backend.name == "verl" and trains_here(cfg):
         try:
             require("backend=verl")
         except MissingExtra as err:
@@ -799,7 +801,7 @@ def node_packages(cfg: DictConfig) -> None:
 def validate_environment(cfg: DictConfig) -> None:
     """What a valid config needs of the machine it runs on: the backend's packages, its devices, its
     prepared data and models, a writable checkpoint root. Reads only; nothing is created."""
-    backend_installed(cfg.backend.name)
+    backend_installed(cfg)
     available_devices(cfg)
     prepared_data(cfg)
     prepared_models(cfg)

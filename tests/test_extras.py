@@ -133,3 +133,25 @@ def test_a_ray_without_token_authentication_is_refused_naming_the_release(monkey
     monkeypatch.setattr(importlib.metadata, "version", real)
     extras.require("backend=verl")   # the pinned one passes
     from ray._raylet import AuthenticationTokenLoader  # noqa: F401  (what the floor stands for)
+
+
+@pytest.mark.slow
+def test_a_login_node_without_the_gpu_stack_plans_and_checks_the_paper_sweep_it_submits(tmp_path, monkeypatch):
+    """The main sweep as shipped (backend=verl), submitted to Slurm from a machine without verl, Ray or vLLM, the
+    paper's models and data prepared there (stand-ins: their real tokenizers, no weights): every job composed,
+    validated (config, prepared data, snapshots at the pinned revision, prompt formats against the tokenizers,
+    resource plans) and listed; the verl extra is the job's own process's check, on the node."""
+    from support.paper_standins import prepare_data, prepare_models
+
+    _, modules = FEATURES["backend=verl"]
+    monkeypatch.setenv("GRAFT_DATA_DIR", str(prepare_data(tmp_path / "data")))
+    monkeypatch.setenv("GRAFT_MODEL_DIR", str(prepare_models(tmp_path / "models")))
+    sweep = ROOT / "sweeps" / "main.yaml"
+    done = run_without(modules, ["-m", "graft_exp.sweep", str(sweep), "--only", "pair=pair1", "--dry-run",
+                                 "--out", str(tmp_path / "multirun"), "cluster=slurm",
+                                 f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "6 jobs: 0 finished" in done.stdout
+    # the same machine cannot train it: an in-process job is refused with the install line
+    here = run_without(modules, ["-m", "graft_exp", "backend=verl", "pair=pair1", "tracking=sqlite"], tmp_path)
+    assert here.returncode == 2 and "pip install 'graft_exp[verl]'" in here.stdout + here.stderr
