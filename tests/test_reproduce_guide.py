@@ -100,6 +100,7 @@ def test_plan_runs_as_written(standins, tmp_path):
         assert "slurm request: --nodes=1 --gpus-per-node=4" in done.stdout and "peak disk per job" in done.stdout
 
 
+@pytest.mark.slow
 def test_preflight_commands_validate_and_plan_their_miniature(standins, tmp_path, monkeypatch):
     """The preflight's own checks before it launches (composed, shrunk, validated, planned), on the stand-ins; its
     run needs GPU nodes (pair1) or is test_preflight's (the tiny pair, there through the private Slurm)."""
@@ -115,17 +116,22 @@ def test_preflight_commands_validate_and_plan_their_miniature(standins, tmp_path
 
 
 @pytest.mark.slow
-def test_sweep_commands_plan_and_validate_every_job_they_would_submit(standins, tmp_path):
-    """Each submission as a dry run (every job composed, validated and planned; its state read from the store):
-    ``tracking=server`` stands for the cluster's server, here a SQLite store of the same schema."""
+def test_sweep_commands_plan_and_validate_every_job_they_would_submit(standins, tmp_path, monkeypatch, capsys):
+    """Each submission as a dry run, in this process (``python -m graft_exp.sweep``'s own ``main``: every job
+    composed, validated and planned, its state read from the store): ``tracking=server`` stands for the cluster's
+    server, here a SQLite store of the same schema."""
+    from graft_exp.sweep.__main__ import main as sweep_main
+
+    for key, value in standins.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
     for command in of_case("graft_exp.sweep"):
-        words = [w for w in shlex.split(command) if w != "tracking=server" and w != "--dry-run"]
+        words = [w for w in shlex.split(command)[3:] if w not in ("tracking=server", "--dry-run")]
         uri = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
-        done = run(shlex.join(words), ROOT, standins, "--dry-run", uri, "--out", str(tmp_path / "multirun"))
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        jobs = int(re.search(r"(\d+) jobs?:", done.stdout).group(1))
-        assert jobs == (2 if "method=graft,grpo_n8" in command else 15 if "--only" not in command else 6), \
-            done.stdout[-2000:]
+        assert sweep_main([*words, "--dry-run", uri, "--out", str(tmp_path / "multirun")]) == 0, capsys.readouterr()
+        out = " ".join(capsys.readouterr().out.split())
+        jobs = int(re.search(r"(\d+) jobs?:", out).group(1))
+        assert jobs == (2 if "method=graft,grpo_n8" in command else 15 if "--only" not in command else 6), out[-2000:]
 
 
 @pytest.mark.slow
