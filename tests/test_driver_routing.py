@@ -1,6 +1,6 @@
 """The driver's routing with the in-memory backend (tests/support/memory_backend.py): every declared method's step,
 DAPO refills, HACPO's capability ratios, stored replay, checkpoint/resume and failure states, in well under
-a second per job (the real-model versions of these are in test_local.py and test_verl_contract.py)."""
+a second per job (the real-model versions of these are in test_local_training.py and test_verl_contract.py)."""
 
 from __future__ import annotations
 

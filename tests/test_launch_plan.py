@@ -1,6 +1,6 @@
 """``launching.callbacks.plan`` and ``refusal_before_stores``: what launching a multirun does, decided from its
 jobs (composed as the launcher composes them) and what the stores hold, without Hydra's multirun or any side
-effect; ``LaunchCallback`` only applies it (tests/test_resources.py, test_launch_local.py run it through Hydra)."""
+effect; ``LaunchCallback`` only applies it (tests/test_resources.py, test_local_multirun.py run it through Hydra)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The MLflow schema is the contract between training and analysis: ``analysis/`` reads only names
-``graft_exp.schema`` lists (the backends' side is checked on real runs in test_local.py and
+``graft_exp.schema`` lists (the backends' side is checked on real runs in test_local_training.py and
 test_verl_contract.py)."""
 
 from __future__ import annotations

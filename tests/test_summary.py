@@ -2,7 +2,7 @@
 final test score per benchmark is the mean over its evaluation runs, the average, the selected step and
 the GPU-hours are the recorded ones, and a multirun's table has a row per (job, model), a missing job
 included. The terminal output of a real single run and a real 2-job multirun is checked in
-tests/test_launch_local.py."""
+tests/test_local_multirun.py."""
 
 from __future__ import annotations
 

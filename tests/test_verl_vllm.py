@@ -380,7 +380,7 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     """GRAFT for two steps, stopped after step 1 and resumed by a new driver (the live models trained past the
     checkpoint, so only the load brings the saved weights back): every rollout sampled with the trainer's weights,
     every request's settings, exchanges across the tokenizers trained on. That a resumed job repeats an
-    uninterrupted one is the driver's (its seeds and order: test_local) and vLLM's: a request's seed samples the
+    uninterrupted one is the driver's (its seeds and order: test_local_training) and vLLM's: a request's seed samples the
     same tokens each time."""
     shutil.copy(store_template, tmp_path / "mlflow.db")
     CheckedBackend.reset()
