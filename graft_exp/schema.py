@@ -94,6 +94,8 @@ MODEL_METRICS = {
     "train/compat_mean": "steps where peer groups were scored",
     "train/rollout_logprob_gap": "every step on backend=verl: the largest mean per-token |vLLM - FSDP| log-prob gap "
                                  "of a response this model sampled (a weight sync that delivers nothing shows here)",
+    "train/gpu_peak_reserved_gb": "every step on backend=verl: the trainer's peak reserved GPU memory so far (GiB, "
+                                  "verl's perf/max_memory_reserved_gb of the update; 0 without a GPU)",
     "train/peer_copies_cut": "every step with peer rows: peer responses longer than this model's response limit in "
                              "its tokens (method.cut_copies: dropped, or trained as cut)",
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",

@@ -18,6 +18,8 @@ from graft_exp.trajectories import write_step
 from graft_exp.transfers import Scored, group_rows
 from graft_exp.transfers import write_step as write_transfers
 
+#: A backend's update result that is a measurement, not a count: the trainer's peak reserved GPU memory (GiB).
+GPU_PEAK = "gpu_peak_reserved_gb"
 #: The driver's probe: (receiver, step, its own sample, its (source, selected) pairs, the sources) -> {prompt: k}.
 Probe = Callable[[str, int, Sampled, list, dict[str, Rollouts]], dict[int, int]]
 
@@ -39,6 +41,8 @@ def model_step(root: Path, role: str, step: int, own: Sampled, batch: ReceiverBa
     rollouts = own.rollouts
     m = {schema.TRAIN + k: v for k, v in rollout_metrics(rollouts).items()}
     m.update(update_metrics(counts, loss))
+    if GPU_PEAK in counts:   # the verl trainer's (backends/verl/backend.py)
+        m[schema.TRAIN + GPU_PEAK] = counts[GPU_PEAK]
     if co_train:
         m.update({schema.TRAIN + k: v for k, v in batch.metrics.items()})
     if own.logprob_gap is not None:

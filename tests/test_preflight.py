@@ -129,6 +129,20 @@ def test_a_plan_below_the_measured_peak_fails(compose_cfg):
     assert preflight.check_host_memory(None, plan).status == NOT_HERE
 
 
+def test_a_trainer_above_the_plan_s_gpu_memory_fails(compose_cfg):
+    """verl's update reports the trainer's peak reserved memory (train/gpu_peak_reserved_gb): against the plan's
+    per-GPU train term of each model of pair 1 (0 GiB on a CPU: not measurable)."""
+    cfg = compose_cfg("pair=pair1", "backend=verl", "cluster=slurm")
+    plan = resources.job_plan(cfg)
+    on_gpu = {schema.ENV_GPU: "NVIDIA H200"}
+    terms = {pool.model: pool.gpu_mem_gb.train for pool in plan.pools}
+    rows = preflight.check_gpu_memory(on_gpu, plan, {m: t - 1 for m, t in terms.items()})
+    assert {r.status for r in rows} == {PASS}
+    over = preflight.check_gpu_memory(on_gpu, plan, {m: t + 1 for m, t in terms.items()})
+    assert {r.status for r in over} == {FAIL} and "raise it" in over[0].fix
+    assert {r.status for r in preflight.check_gpu_memory({}, plan, {})} == {NOT_HERE}
+
+
 def test_a_job_far_slower_than_the_paper_s_fails_the_time_check(compose_cfg):
     """Step 2's device-hours scaled to the full job (its prompts per step, its 174 steps) against App. D."""
     full = compose_cfg("pair=pair1", "backend=verl", "cluster=slurm")

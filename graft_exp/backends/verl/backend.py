@@ -40,6 +40,7 @@ from graft_exp.receiver import ReceiverBatch, Scorer
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
+from graft_exp.step_record import GPU_PEAK
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,9 @@ class VerlBackend:
                                                            sequence_mean=spec.sequence_level))
         losses = raw.get("actor/pg_loss", [])
         return {"loss": float(np.mean(losses)) if len(losses) else float("nan"),
-                **{key: float(np.sum(raw.get(f"graft/{key}", [0.0]))) for key in COUNT_METRICS}}
+                **{key: float(np.sum(raw.get(f"graft/{key}", [0.0]))) for key in COUNT_METRICS},
+                # what the preflight holds against the plan's train term (0 on CPU: no CUDA allocator)
+                GPU_PEAK: float(max(raw.get("perf/max_memory_reserved_gb", [0.0])))}
 
     # ------------------------------------------------------------------ evaluation and state
     def generate(self, role: str, step: int):
