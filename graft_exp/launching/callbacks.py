@@ -89,22 +89,38 @@ def varying_overrides(jobs: list[PlannedJob]) -> dict[int, list[str]]:
     return {job.index: [o for o in job.overrides if o not in shared] for job in jobs}
 
 
-def missing_stored_logs(jobs: list[PlannedJob], parallel: bool) -> list[str]:
+def stored_logs_in_store(jobs: list[PlannedJob]) -> set[tuple[int, str]]:
+    """(job index, peer model) of each ``graft_stored`` job's peer log its store already holds: the store asked
+    once per plan, one client per store."""
+    clients: dict[str, MlflowClient] = {}
+    found = set()
+    for job in jobs:
+        for peer in tracking.stored_log_peers(job.cfg):
+            uri = str(job.cfg.tracking.uri)
+            client = clients.setdefault(uri, MlflowClient(uri))
+            if tracking.stored_log_run(client, job.cfg, peer) is not None:
+                found.add((job.index, peer))
+    return found
+
+
+def missing_stored_logs(jobs: list[PlannedJob], parallel: bool, in_store: set[tuple[int, str]] | None = None
+                        ) -> list[str]:
     """``graft_stored`` jobs whose peer log (a FINISHED GRPO n=8 run of the model, same seed) is
-    neither in the store nor written first by an earlier job of this multirun: a sequential launcher
-    runs jobs in order; on a parallel one the log cannot exist in time."""
+    neither in the store (``in_store``: ``stored_logs_in_store``, asked here when not given) nor written first
+    by an earlier job of this multirun: a sequential launcher runs jobs in order; on a parallel one the log cannot
+    exist in time."""
+    in_store = stored_logs_in_store(jobs) if in_store is None else in_store
     problems = []
     for job in jobs:
         peers = tracking.stored_log_peers(job.cfg)
         if not peers:
             continue
-        client = MlflowClient(job.cfg.tracking.uri)
         earlier = [] if parallel else jobs[:job.index]
         replayed = tracking.replayed_method(job.cfg)
         missing = [peer for peer in peers
                    if not any(e.cfg.method.name == replayed and e.cfg.seed == job.cfg.seed
                               and peer in [e.cfg.pair[r] for r in roles(e.cfg.pair)] for e in earlier)
-                   and tracking.stored_log_run(client, job.cfg, peer) is None]
+                   and (job.index, peer) not in in_store]
         if missing:
             problems.append(f"job {job.label} replays the GRPO n=8 log of {' and '.join(missing)} with seed "
                             f"{job.cfg.seed}: none in {job.cfg.tracking.uri}; launch `python -m graft_exp "
@@ -169,12 +185,14 @@ def finished_keys(uris: set[str]) -> set[str]:
     return keys
 
 
-def order_needs(jobs: list[PlannedJob], finished: set[str]) -> list[str]:
+def order_needs(jobs: list[PlannedJob], finished: set[str], in_store: set[tuple[int, str]] | None = None
+                ) -> list[str]:
     """Why the jobs of a multirun must run one after another (empty: they may overlap): shared
     GRPO baselines two of them would train (``finished``: the run keys already FINISHED), stored-trajectory
-    jobs replaying an earlier job's log."""
+    jobs replaying an earlier job's log (``in_store``: the logs the store holds, ``stored_logs_in_store``)."""
+    in_store = stored_logs_in_store(jobs) if in_store is None else in_store
     clashes = shared_baseline_clashes(jobs, finished)
-    stored = set(missing_stored_logs(jobs, parallel=True)) - set(missing_stored_logs(jobs, parallel=False))
+    stored = set(missing_stored_logs(jobs, True, in_store)) - set(missing_stored_logs(jobs, False, in_store))
     return [f"{c} (a shared GRPO baseline)" for c in clashes] + [
         f"{len(stored)} graft_stored job(s) replay the log of an earlier GRPO n=8 job"] * bool(stored)
 
@@ -316,17 +334,18 @@ def plan(jobs: list[PlannedJob], cluster: DictConfig, launcher: DictConfig, over
         plans, _ = check_plans(jobs, finished, launcher, overridden)
         request = slurm_request(plans, overridden)
     parallel, one_at_a_time = bool(cluster.parallel), None
+    in_store = stored_logs_in_store(jobs)
     if parallel:
         one_at_a_time = shared_gpus(cluster.name, jobs)
         if one_at_a_time is None and cluster.get("in_order_when_needed"):
-            one_at_a_time = "; ".join(order_needs(jobs, finished)) or None
+            one_at_a_time = "; ".join(order_needs(jobs, finished, in_store)) or None
         parallel = one_at_a_time is None
     cores = None
     if parallel and cluster.get("exclusive"):
         cores = "1"   # the joblib workers share this machine's cores, one each
     elif parallel and cluster.name == "submitit_local":
         cores = str(max(1, scheduler.job_cores() // len(jobs)))   # all start at once: a share each
-    missing_logs = missing_stored_logs(jobs, parallel)
+    missing_logs = missing_stored_logs(jobs, parallel, in_store)
     if missing_logs:
         return LaunchPlan(refusal="nothing launched: stored-trajectory jobs have no log to replay:\n  "
                                   + "\n  ".join(missing_logs) + "\n(`python -m graft_exp.sweep` launches them after "
