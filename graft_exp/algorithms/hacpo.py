@@ -166,6 +166,32 @@ def hacpo_policy_loss(
     sign of A), ``clipfrac_self``/``clipfrac_peer``, ``ratio_mean_self``/``ratio_mean_peer``,
     ``cross_clip_lower`` (L_m).
     """
+    mask, lengths, capability_ratio = _prepare(log_prob, response_mask, source_mean_log_prob, advantages, is_peer,
+                                               capability_ratio, num_sequences)
+    if self_clip_low < 0 or self_clip_high < 0 or not 0 <= cross_clip_delta <= 1 or alpha < 0:
+        raise ValueError("need self clips >= 0, cross_clip_delta in [0, 1] and alpha >= 0")
+    batch = log_prob.shape[0]
+    peer = is_peer.bool()
+    mean_log_prob = torch.where(mask, log_prob, torch.zeros_like(log_prob)).sum(dim=1) / lengths
+    log_ratio = (mean_log_prob - source_mean_log_prob).clamp(-max_abs_log_ratio, max_abs_log_ratio)
+    ratio = torch.exp(log_ratio)
+
+    self_objective = torch.minimum(ratio * advantages, ratio.clamp(1 - self_clip_low, 1 + self_clip_high) * advantages)
+    lower = hacpo_cross_clip_lower(minibatch_index, cross_clip_delta, cross_clip_step)
+    cross_ratio = ratio.clamp(lower, 1.0)
+    # The alpha factor is a detached modulation, as in the official code.
+    cross_objective = cross_ratio * cross_ratio.detach().pow(alpha) * capability_ratio * advantages
+    objective = torch.where(peer, cross_objective, self_objective)
+    loss = -objective.sum() / (batch if num_sequences is None else num_sequences)
+
+    return loss, _metrics(loss, ratio, advantages, peer, lower, self_clip_low, self_clip_high)
+
+
+def _prepare(log_prob: torch.Tensor, response_mask: torch.Tensor, source_mean_log_prob: torch.Tensor,
+             advantages: torch.Tensor, is_peer: torch.Tensor, capability_ratio: torch.Tensor | float,
+             num_sequences: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate ``hacpo_policy_loss``'s inputs; return (the response mask, each row's length, the capability
+    ratio per row)."""
     check_ndim("log_prob", log_prob, 2)
     check_mask_like("response_mask", response_mask, "log_prob", log_prob)
     batch = log_prob.shape[0]
@@ -185,44 +211,33 @@ def hacpo_policy_loss(
         check_finite(name, value)
     if bool((capability_ratio <= 0).any()):
         raise ValueError("capability_ratio must be > 0")
-    if self_clip_low < 0 or self_clip_high < 0 or not 0 <= cross_clip_delta <= 1 or alpha < 0:
-        raise ValueError("need self clips >= 0, cross_clip_delta in [0, 1] and alpha >= 0")
     if num_sequences is not None and not num_sequences > 0:
         raise ValueError(f"num_sequences must be > 0 when given, got {num_sequences!r}")
+    return mask, lengths, capability_ratio
 
-    peer = is_peer.bool()
-    mean_log_prob = torch.where(mask, log_prob, torch.zeros_like(log_prob)).sum(dim=1) / lengths
-    log_ratio = (mean_log_prob - source_mean_log_prob).clamp(-max_abs_log_ratio, max_abs_log_ratio)
-    ratio = torch.exp(log_ratio)
 
-    self_objective = torch.minimum(ratio * advantages, ratio.clamp(1 - self_clip_low, 1 + self_clip_high) * advantages)
-    lower = hacpo_cross_clip_lower(minibatch_index, cross_clip_delta, cross_clip_step)
-    cross_ratio = ratio.clamp(lower, 1.0)
-    # The alpha factor is a detached modulation, as in the official code.
-    cross_objective = cross_ratio * cross_ratio.detach().pow(alpha) * capability_ratio * advantages
-    objective = torch.where(peer, cross_objective, self_objective)
-    loss = -objective.sum() / (batch if num_sequences is None else num_sequences)
-
-    with torch.no_grad():
-        ratio = ratio.detach()
-        clipped_self = ((advantages > 0) & (ratio > 1 + self_clip_high)) | ((advantages < 0) & (ratio < 1 - self_clip_low))
-        clipped_peer = (ratio < lower) | (ratio > 1.0)
-        seqs_self, seqs_peer = (~peer).sum().float(), peer.sum().float()
-        clipped_seqs_self = (clipped_self & ~peer).sum().float()
-        clipped_seqs_peer = (clipped_peer & peer).sum().float()
-        metrics = {
-            "pg_loss": loss.detach(),
-            "seqs_self": seqs_self,
-            "seqs_peer": seqs_peer,
-            "clipped_seqs_self": clipped_seqs_self,
-            "clipped_seqs_peer": clipped_seqs_peer,
-            "clipfrac_self": clipped_seqs_self / seqs_self.clamp(min=1),
-            "clipfrac_peer": clipped_seqs_peer / seqs_peer.clamp(min=1),
-            "ratio_mean_self": torch.where(~peer, ratio, 0.0).float().sum() / seqs_self.clamp(min=1),
-            "ratio_mean_peer": torch.where(peer, ratio, 0.0).float().sum() / seqs_peer.clamp(min=1),
-            "cross_clip_lower": loss.detach().new_tensor(lower),
-        }
-    return loss, metrics
+@torch.no_grad()
+def _metrics(loss: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, peer: torch.Tensor, lower: float,
+             self_clip_low: float, self_clip_high: float) -> dict[str, torch.Tensor]:
+    """``hacpo_policy_loss``'s metrics (its docstring), detached."""
+    ratio = ratio.detach()
+    clipped_self = ((advantages > 0) & (ratio > 1 + self_clip_high)) | ((advantages < 0) & (ratio < 1 - self_clip_low))
+    clipped_peer = (ratio < lower) | (ratio > 1.0)
+    seqs_self, seqs_peer = (~peer).sum().float(), peer.sum().float()
+    clipped_seqs_self = (clipped_self & ~peer).sum().float()
+    clipped_seqs_peer = (clipped_peer & peer).sum().float()
+    return {
+        "pg_loss": loss.detach(),
+        "seqs_self": seqs_self,
+        "seqs_peer": seqs_peer,
+        "clipped_seqs_self": clipped_seqs_self,
+        "clipped_seqs_peer": clipped_seqs_peer,
+        "clipfrac_self": clipped_seqs_self / seqs_self.clamp(min=1),
+        "clipfrac_peer": clipped_seqs_peer / seqs_peer.clamp(min=1),
+        "ratio_mean_self": torch.where(~peer, ratio, 0.0).float().sum() / seqs_self.clamp(min=1),
+        "ratio_mean_peer": torch.where(peer, ratio, 0.0).float().sum() / seqs_peer.clamp(min=1),
+        "cross_clip_lower": loss.detach().new_tensor(lower),
+    }
 
 
 def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
