@@ -61,7 +61,7 @@ def test_expand_is_a_product_in_written_order():
 def test_one_file_per_table_with_its_study(sweeps):
     assert set(sweeps) == {"main", "ablation", "alternatives", "delta", "stability", "stored",
                            "clip_dynamics", "compute", "tiny", "tiny_lr", "tiny3",
-                           "tiny_decide", "tiny_equal_compute", "tiny_transfers"}
+                           "tiny_decide", "tiny_decide_paired", "tiny_equal_compute", "tiny_transfers"}
     for name, sweep in sweeps.items():
         assert sweep.study == name
         for sj in sweep.jobs:   # the paper's sweep files run the paper's pairs on verl as shipped
