@@ -48,8 +48,10 @@ def paired_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float,
     return mean, mean - half, mean + half
 
 
-#: Stratified-bootstrap resamples of rliable's intervals.
+#: Stratified-bootstrap resamples of rliable's intervals, and their seed: the same runs give the same intervals in
+#: the job summary, ``analysis methods`` and ``analysis decisions``, every time.
 BOOTSTRAP_REPS = 2000
+BOOTSTRAP_SEED = 0
 
 
 def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, float]:
@@ -60,9 +62,16 @@ def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, flo
 
     x, y = method.reshape(-1, 1), reference.reshape(-1, 1)
     iqm = lambda scores: np.array([metrics.aggregate_iqm(scores)])
-    points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
-    poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
-                                                   reps=BOOTSTRAP_REPS)
+    # rliable's stratified bootstraps draw their resamples from NumPy's global stream whatever their random_state:
+    # seeded here, and the caller's stream put back.
+    saved = np.random.get_state()
+    np.random.seed(BOOTSTRAP_SEED)
+    try:
+        points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
+        poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
+                                                       reps=BOOTSTRAP_REPS)
+    finally:
+        np.random.set_state(saved)
     (poi,), (poi_lo, poi_hi) = np.ravel(poi_point["p"]), np.ravel(poi_ci["p"])   # one task: shapes (1,), (2, 1)
     return {"P(improve)": float(poi), "P(improve) lo": float(poi_lo), "P(improve) hi": float(poi_hi),
             "IQM method": float(points["m"][0]), "IQM method lo": float(cis["m"][0, 0]),
