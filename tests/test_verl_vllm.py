@@ -449,8 +449,9 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     # --- a weight sync that stops delivering fails the check: the trainer moves on, vLLM keeps the old weights
     model = backend.models["A"]
     rows, _ = CheckedBackend.saved[("A", 2)]
-    rows.batch["old_log_probs"] = model.log_probs(rows)
-    grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
+    for _ in range(3):   # three updates the engine never receives: stale weights well past kernel noise
+        rows.batch["old_log_probs"] = model.log_probs(rows)
+        grpo_update(model, rows, torch.linspace(-1, 1, n).repeat(len(rows) // n, 1))
     synced = []
     monkeypatch.setattr(model.checkpoints, "update_weights", lambda global_steps=None: synced.append(global_steps))
     with pytest.raises(AssertionError, match="did not sample with the trainer's weights") as stale:
