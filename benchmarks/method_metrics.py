@@ -34,13 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 SMALL = ["seed=0", "train.batch_prompts=8", "train.minibatch_prompts=4", "eval.max_problems=2",
          "eval.runs=2", "eval.samples=1", "eval.val_every=1", "backend.progress=false", "backend.threads=1"]
-WALL_CLOCK = {"cost/gpu_hours", "time/checkpoint_s"}
 
 
 def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
     run = client.get_run(run_id)
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-            for key in sorted(run.data.metrics) if key not in WALL_CLOCK}
+            for key in sorted(run.data.metrics) if key not in schema.WALL_CLOCK}
 
 
 def composed(*overrides: str):

@@ -124,6 +124,9 @@ RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"
 SIGNAL_LEAD, CHECKPOINT_SECONDS = "graft.signal_lead_s", "time/checkpoint_s"
+#: Metrics measured on the clock, not computed: the same job run twice records other values (every other metric of
+#: a seeded job on the local backend repeats bit for bit).
+WALL_CLOCK = (GPU_HOURS, CHECKPOINT_SECONDS)
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, BUDGET_FLOPS, LAST_STEP = "graft.budget_gpu_hours", "graft.budget_flops", "graft.last_step"

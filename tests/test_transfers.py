@@ -74,7 +74,7 @@ def test_writing_the_log_and_probing_change_no_metric(train):
     def records(job):
         runs = {"job": job.run_id, **{r.data.tags[schema.ROLE]: r.info.run_id
                                       for r in model_runs(job.client, job.run_id).values()}}
-        return {who: {k: v for k, v in histories(job.client, run_id).items() if k != schema.GPU_HOURS}
+        return {who: {k: v for k, v in histories(job.client, run_id).items() if k not in schema.WALL_CLOCK}
                 for who, run_id in runs.items()}
     before, after = records(plain), records(probed)
     for who in before:
