@@ -38,6 +38,11 @@ PASS, FAIL, NOT_HERE, INFO = "pass", "fail", "not measurable here", "info"
 #: The largest mean per-token |vLLM - FSDP| log-prob gap of a response on step 2 (nats) that a weight sync passes
 #: with: bf16 engines differ by ~1e-2 per token; weights the sync never delivered differ by the update's effect.
 SYNC_GAP_BOUND = 0.1
+#: Step 1 samples with the weights both sides loaded, so its gap is the engines' own noise; a sync that delivers
+#: nothing leaves step 2 one update behind: a gap this many times step 1's (or the floor's, below it) fails. Measured
+#: on vLLM's CPU engine over the paper vocabularies: step 1 ~1e-4, step 2 synced the same, one update not delivered
+#: 0.0115 (the tiny models' lr), far below SYNC_GAP_BOUND.
+SYNC_NOISE_RATIO, SYNC_NOISE_FLOOR = 5.0, 1e-3
 #: The smallest share of responses ending on a stop id: below it the model does not stop (its format's end of turn
 #: is not among the stop ids, or the response limit is far too short).
 MIN_FINISHED_SHARE = 0.05
@@ -138,10 +143,12 @@ def check_sync(model: str, gaps: dict[int, float]) -> Check:
         return Check("weight sync", model, NOT_HERE, "one engine samples and scores (backend=local)",
                      f"gap <= {SYNC_GAP_BOUND} on step 2")
     measured = f"{gaps[2]:.4f} (step 1: {gaps.get(1, float('nan')):.4f})"
-    if gaps[2] > SYNC_GAP_BOUND:
-        return Check("weight sync", model, FAIL, measured, f"<= {SYNC_GAP_BOUND} nats per token on step 2",
+    bound = min(SYNC_GAP_BOUND, SYNC_NOISE_RATIO * max(gaps[1], SYNC_NOISE_FLOOR)) if 1 in gaps else SYNC_GAP_BOUND
+    expected = f"<= {bound:.4g} nats per token on step 2 ({SYNC_NOISE_RATIO:g} x step 1's, at most {SYNC_GAP_BOUND})"
+    if gaps[2] > bound:
+        return Check("weight sync", model, FAIL, measured, expected,
                      "vLLM did not sample with the trainer's weights: check the weight sync (docs/verl.md)")
-    return Check("weight sync", model, PASS, measured, f"<= {SYNC_GAP_BOUND} nats per token on step 2")
+    return Check("weight sync", model, PASS, measured, expected)
 
 
 def check_host_memory(peak_gb: float | None, plan: resources.Plan) -> Check:
