@@ -290,9 +290,9 @@ class Driver:
             tokens = scored.of(q, source, i)[1]
             return own.prompt_tokens[q] + (tokens if tokens >= 0 else int(source.num_tokens[q, i]))
         rows = [length(r.prompt, r.sample, r.origin == PEER) for r in batch.rows]
-        trained = rows + [length(q, i, True) for q, i in batch.nll]
+        updated = rows + [length(q, i, True) for q, i in batch.nll]
         shape = self.shapes[role]
-        flops = TRAIN_PASSES * int(self.cfg.train.ppo_epochs) * sum(shape.forward(t) for t in trained)
+        flops = TRAIN_PASSES * int(self.cfg.train.ppo_epochs) * sum(shape.forward(t) for t in updated)
         if self.method.loss.needs_reference_model:
             flops += sum(shape.forward(t) for t in rows)
         return flops
