@@ -122,6 +122,8 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):   # where tests run
         config._tmp_path_factory.getbasetemp()   # pytest's own folders stay where pytest keeps them
         config.graft_scratch = tempfile.mkdtemp(prefix="graft-tests-")
+        # traversable, as /tmp is: PostgreSQL, run as `postgres` by the server tests, reaches its folder through it
+        os.chmod(config.graft_scratch, 0o711)
         os.environ["TMPDIR"] = tempfile.tempdir = config.graft_scratch
     if importlib.util.find_spec("torchvision") is None:
         return
