@@ -266,6 +266,7 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
     from mlflow import MlflowClient
 
     from graft_exp.driver import run_directory
+    from graft_exp.step_record import GPU_PEAK
     from graft_exp.trajectories import read_log
 
     client = MlflowClient(str(cfg.tracking.uri))
@@ -289,7 +290,7 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
             tokens += int(log.loc[log["step"] == 2, "num_tokens"].sum())
             gaps = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/rollout_logprob_gap")}
             rows.append(check_sync(model, gaps))
-            reserved = client.get_metric_history(run.info.run_id, "train/gpu_peak_reserved_gb")
+            reserved = client.get_metric_history(run.info.run_id, schema.TRAIN + GPU_PEAK)
             if reserved:
                 peaks[model] = max(m.value for m in reserved)
     rows += [check_host_memory(peak_gb, plan), *check_gpu_memory(env, plan, peaks)]
