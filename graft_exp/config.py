@@ -95,7 +95,6 @@ class MethodConfig:
 
     name: str = MISSING               # the conf/method file name, e.g. graft_no_gate
     n: int = 8                        # rollouts per prompt per model
-    co_train: bool = True             # two models trained together (False: each alone, GRPO)
     source: str = "online"            # online peer | stored: replay the peer's GRPO n=8 log
     selection: str = "balanced"       # which prompts transfer (eq. 3 + balanced exchange)
     peer_loss: str = "graft"          # how the receiver learns from peer responses
@@ -106,7 +105,7 @@ class MethodConfig:
     peer_position: str = "last"       # minibatches containing peer groups: last | first | uniform
     advantages: str = "source"        # source-computed | pooled over receiver + peer group
     peer_responses: str = "all"       # all | success (success-only transfer)
-    dynamic_sampling: bool = False    # DAPO: drop zero-variance groups, refill the batch
+    sampling: str = "plain"           # plain | dynamic (DAPO: drop zero-variance groups, refill the batch)
     clip_low: float = CLIP_LOW
     clip_high: float = CLIP_HIGH
     clip_ratio_c: float = CLIP_RATIO_C
@@ -466,15 +465,13 @@ def validate_method(cfg: DictConfig) -> None:
         spec = methods.resolve(method)
     except methods.UnknownName as err:
         raise ConfigError(str(err)) from err
-    exchanges = spec.selection.transfers or spec.peer_loss.transfers
-    if method.co_train != exchanges:
+    if spec.selection.transfers != spec.peer_loss.transfers:
         raise ConfigError(
-            f"method {method.name!r}: co_train={method.co_train} but selection={method.selection!r}, "
-            f"peer_loss={method.peer_loss!r}; a single-model method needs selection=none and "
-            "peer_loss=none, a two-model method needs both set"
+            f"method {method.name!r}: selection={method.selection!r} but peer_loss={method.peer_loss!r}; a "
+            "single-model method needs selection=none and peer_loss=none, a co-trained method needs both set"
         )
-    if method.co_train and method.dynamic_sampling:
-        raise ConfigError("method.dynamic_sampling is a single-model GRPO baseline (grpo_ds); "
+    if spec.co_train and spec.sampling.own_prompts:
+        raise ConfigError(f"method.sampling={method.sampling} is a single-model GRPO baseline (grpo_ds); "
                           "it cannot be combined with trajectory exchange")
     if spec.replays_stored_log and not spec.selection.one_direction_ok:
         raise ConfigError(

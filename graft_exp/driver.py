@@ -29,11 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import methods, prompts, reward, schema, tracking
 from graft_exp import step_record as record
-from graft_exp.algorithms import (
-    dynamic_sampling_batch_full,
-    dynamic_sampling_group_mask,
-    grpo_advantages,
-)
+from graft_exp.algorithms import dynamic_sampling_batch_full, grpo_advantages
 from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
@@ -156,7 +152,7 @@ class Driver:
             self.shapes = {role: ModelFlops.of(self.backend.model_config(role)) for role in needed}
             problems = self.backend.problems()
             self.total_steps = total_steps(cfg, len(problems))
-            streams = list(needed) if self.method.config.dynamic_sampling else ["shared"]
+            streams = list(needed) if self.method.sampling.own_prompts else ["shared"]
             self.streams = {name: PromptStream(problems, int(cfg.seed)) for name in streams}
             self.pool = ThreadPoolExecutor(max_workers=len(needed)) if self.backend.concurrent else None
 
@@ -188,13 +184,13 @@ class Driver:
                             logp_sum=out.logp_sum, num_tokens=out.num_tokens, finished=out.finished)
         return Sampled(rollouts, problems, out.data, out.token_ids, out.prompt_tokens, out.logprob_gap)
 
-    def dynamic_sampling_rollout(self, role: str, step: int) -> Sampled:
-        """DAPO dynamic sampling: keep groups with 0 < k < n, draw more batches until the batch is full
+    def refilled_rollout(self, role: str, step: int) -> Sampled:
+        """A batch of the groups ``method.sampling`` keeps (DAPO: 0 < k < n), drawing more batches until it is full
         (at most MAX_GEN_BATCHES draws; then train on what was kept, or on the last draw if nothing was)."""
         size, kept = int(self.cfg.train.batch_prompts), []
         for attempt in range(MAX_GEN_BATCHES):
             drawn = self.rollout(role, self.streams[role].next(size), step, attempt)
-            kept += [(drawn, q) for q in torch.nonzero(dynamic_sampling_group_mask(drawn.rollouts.rewards)).flatten().tolist()]
+            kept += [(drawn, q) for q in torch.nonzero(self.method.sampling.keep(drawn.rollouts.rewards)).flatten().tolist()]
             if dynamic_sampling_batch_full(len(kept), size):
                 break
         kept = kept[:size] or [(drawn, q) for q in range(size)]
@@ -227,11 +223,11 @@ class Driver:
         self.work = dict.fromkeys(roles, 0.0)   # this step's counted FLOPs per model
         # 1. Sample: n responses per prompt from each model on the same prompts (DAPO: each refills its
         #    own batch), binary rewards, GRPO advantages (eq. 1).
-        shared = None if method.config.dynamic_sampling else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
+        shared = None if method.sampling.own_prompts else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
 
         def sample(role):
             with timer(role):
-                return self.dynamic_sampling_rollout(role, step) if shared is None else self.rollout(role, shared, step)
+                return self.refilled_rollout(role, step) if shared is None else self.rollout(role, shared, step)
         own = self.each(sample)
         # 2. Exchange (exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
         #    old policy (eq. 8), gated weights (eq. 9), each receiver's rows.
@@ -341,10 +337,10 @@ class Driver:
 
     def peer_rollouts(self, role: str, own: dict[str, Sampled], source: Rollouts | None) -> dict[str, Rollouts]:
         """What ``role``'s peers sampled on its prompts, by peer role: the replayed log, or the other members'
-        rollouts of this step (none under dynamic sampling, where each model draws its own prompts)."""
+        rollouts of this step (none where each model draws its own prompts: ``method.sampling``)."""
         if self.members[role].replayed is not None:
             return {peers(self.cfg.pair, role)[0]: source}
-        if self.method.config.dynamic_sampling:
+        if self.method.sampling.own_prompts:
             return {}
         return {peer: own[peer].rollouts for peer in peers(self.cfg.pair, role) if peer in own}
 

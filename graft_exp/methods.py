@@ -284,7 +284,29 @@ PEER_LOSSES.register("hacpo", fixed(HacpoPeerLoss(objective="hacpo", gated=False
                                                   two_models_only="its capability-aware advantages pool exactly "
                                                                   "two models' groups")))   # App. B
 
-#: Every table of components, in the order ``resolve`` builds them.
+@dataclass(frozen=True)
+class Sampling:
+    """How each model's step batch is drawn. ``keep(rewards [P, n]) -> bool [P]``: the groups a batch keeps, the
+    batch refilled from further draws until full (DAPO's dynamic sampling); None: the first draw is the batch."""
+
+    keep: Callable | None = None
+
+    @property
+    def own_prompts(self) -> bool:
+        """Each model draws its own prompts: a refilled batch holds prompts of later draws, which its peers never
+        sampled, so no model's rollouts stand beside another's on the same prompts."""
+        return self.keep is not None
+
+
+def _informative_groups(rewards):
+    from graft_exp.algorithms import dynamic_sampling_group_mask
+    return dynamic_sampling_group_mask(rewards)
+
+
+SAMPLINGS = Registry("method.sampling")
+SAMPLINGS.register("plain", fixed(Sampling()))                          # every method but grpo_ds
+SAMPLINGS.register("dynamic", fixed(Sampling(keep=_informative_groups)))  # DAPO: groups with 0 < k < n (App. B)
+
 #: ``cut(batch, copies) -> batch``: what a peer copy longer than the receiver's response limit, in the receiver's
 #: tokens, is worth (``copies``: the (prompt, sample) of such copies in ``batch``). Cut at the limit, a copy loses
 #: its end of turn and, as a rule, its final answer, yet carries the source's reward and advantage: a correct
@@ -294,8 +316,9 @@ CUT_COPIES = Registry("method.cut_copies")
 CUT_COPIES.register("drop", fixed(lambda batch, copies: batch.without_copies(copies)))   # not transferred
 CUT_COPIES.register("train", fixed(lambda batch, copies: batch))   # trained as cut (every run before the setting)
 
+#: Every table of components, in the order ``resolve`` builds them.
 COMPONENTS = (SELECTIONS, ADMISSIONS, PEER_RESPONSES, ADVANTAGES, RATIOS, PEER_POSITIONS, SOURCES, SOURCE_RULES,
-              PEER_LOSSES, CUT_COPIES)
+              PEER_LOSSES, CUT_COPIES, SAMPLINGS)
 
 
 # ------------------------------------------------------------------------------------ methods
@@ -365,6 +388,7 @@ class Method:
     peer_loss: PeerLoss
     source_rule: SourceRule
     cut_copies: Callable            # ``cut(batch, copies) -> batch``: method.cut_copies
+    sampling: Sampling              # method.sampling
 
     @cached_property
     def loss(self) -> LossSpec:
@@ -379,7 +403,9 @@ class Method:
 
     @property
     def co_train(self) -> bool:
-        return bool(self.config.co_train)
+        """The members train together: the method's components exchange peer responses (GRPO's baselines,
+        ``selection: none`` and ``peer_loss: none``, train each model alone)."""
+        return self.selection.transfers or self.peer_loss.transfers
 
     @property
     def gated(self) -> bool:
@@ -431,4 +457,12 @@ def resolve(method) -> Method:
                   keep=PEER_RESPONSES.build(method), advantages=ADVANTAGES.build(method),
                   objective=peer_loss.objective or ratio_objective,
                   order=PEER_POSITIONS.build(method), source=SOURCES.build(method), peer_loss=peer_loss,
-                  source_rule=SOURCE_RULES.build(method), cut_copies=CUT_COPIES.build(method))
+                  source_rule=SOURCE_RULES.build(method), cut_copies=CUT_COPIES.build(method),
+                  sampling=SAMPLINGS.build(method))
+
+
+def co_trains(method) -> bool:
+    """Whether a method (``cfg.method``) trains its members together (``Method.co_train``; validation holds its
+    selection to the same answer), from its peer loss alone: a run key asks before a rule's ``method.params``
+    are checked, and a peer loss's entry reads none when it is built."""
+    return PEER_LOSSES.build(method).transfers

@@ -29,14 +29,15 @@ def test_every_declared_method_resolves_and_its_loss_is_registered(compose_cfg, 
     cfg = compose_cfg(f"method={name}")
     spec = methods.resolve(cfg.method)
     assert spec.objective in OBJECTIVES
-    assert spec.co_train == (spec.selection.transfers or spec.peer_loss.transfers)
+    assert spec.co_train == methods.co_trains(cfg.method) == (not name.startswith("grpo_"))
     assert methods.declaration(name).display
 
 
 @pytest.mark.parametrize(("key", "registry"), [("selection", methods.SELECTIONS), ("peer_loss", methods.PEER_LOSSES),
                                                ("admission", methods.ADMISSIONS), ("advantages", methods.ADVANTAGES),
                                                ("ratio", methods.RATIOS), ("peer_position", methods.PEER_POSITIONS),
-                                               ("peer_responses", methods.PEER_RESPONSES), ("source", methods.SOURCES)])
+                                               ("peer_responses", methods.PEER_RESPONSES), ("source", methods.SOURCES),
+                                               ("sampling", methods.SAMPLINGS)])
 def test_an_unknown_component_fails_with_the_valid_names(compose_cfg, tmp_path, key, registry):
     with pytest.raises(methods.UnknownName) as err:
         methods.resolve(method_config(**{key: "balancd"}))

@@ -108,7 +108,7 @@ def test_every_pair_and_method_composes_with_verl(tmp_path):
         for method in METHODS:
             cfg = _compose(f"pair={pair}", f"method={method}")
             validate(cfg)
-            if cfg.method.co_train:
+            if resolve(cfg.method).co_train:
                 assert resolve(cfg.method).loss.kind == LOSS_KINDS.get(method, "graft"), method
             roles = ("A", "B") if method == "graft" else ("A",) if pair == "pair1" else ()
             for role in roles:

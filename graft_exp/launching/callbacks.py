@@ -42,7 +42,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from graft_exp import resources, scheduler, tracking
+from graft_exp import methods, resources, scheduler, tracking
 from graft_exp.config import ConfigError, roles, trained, validate_job
 from graft_exp.launching import status, summary
 
@@ -163,7 +163,7 @@ def shared_baseline_clashes(jobs: list[PlannedJob], finished_keys: set[str]) -> 
     owner: dict[str, PlannedJob] = {}
     clashes = []
     for job in jobs:
-        if job.cfg.method.co_train:
+        if methods.co_trains(job.cfg.method):
             continue
         for role in roles(job.cfg.pair):
             key = tracking.model_run_key(job.cfg, role)
@@ -207,7 +207,7 @@ def trained_roles(cfg: DictConfig, finished: set[str] | None = None) -> list[str
         db = tracking.sqlite_file(uri)
         finished = finished_keys({uri}) if db is None or db.exists() else set()
     unfinished = {role for role in members if tracking.model_run_key(cfg, role) not in finished}
-    return trained(cfg.pair, bool(cfg.method.co_train), unfinished) or members
+    return trained(cfg.pair, methods.co_trains(cfg.method), unfinished) or members
 
 
 def shared_gpus(cluster: str, jobs: list[PlannedJob]) -> str | None:

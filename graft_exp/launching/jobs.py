@@ -63,7 +63,7 @@ class Job:
 
     @property
     def single_model(self) -> bool:
-        return not self.cfg.method.co_train
+        return not methods.co_trains(self.cfg.method)
 
     @property
     def label(self) -> str:
@@ -196,7 +196,7 @@ def estimate_gpu_hours(cfg: DictConfig, trained: Sequence[str] = ()) -> float:
         return 0.0
     method, steps = cfg.method.name, cfg.train.max_steps or PAPER_STEPS
     family = methods.declaration(method).cost_family
-    if not cfg.method.co_train:
+    if not methods.co_trains(cfg.method):
         hours = sum(_grpo_hours(cfg.pair[role], family) for role in trained or roles(cfg.pair))
     else:
         pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in roles(cfg.pair))

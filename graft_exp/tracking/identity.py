@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import prompts, scheduler
+from graft_exp import methods, prompts, scheduler
 from graft_exp.config import MEMBER_KEYS, key_neutral_settings
 
 # Config sections that say where or how a job runs, not what it computes.
@@ -49,6 +49,23 @@ def resolved_config(cfg: DictConfig | dict) -> dict:
     return cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
 
 
+def keyed_method(method: dict) -> dict:
+    """The method as run keys have named it since the first runs: ``co_train`` and ``dynamic_sampling`` were YAML
+    flags before the components said them (the selection and the peer loss, ``method.sampling``). A key writes them
+    as it did, so no run is re-keyed; a config logged before the change holds them already."""
+    if "sampling" not in method:
+        return method
+    keyed = {k: v for k, v in method.items() if k != "sampling"}
+    keyed["co_train"] = methods.co_trains(OmegaConf.create(method))
+    keyed["dynamic_sampling"] = methods.SAMPLINGS.build(method).own_prompts
+    return keyed
+
+
+def co_trained(cfg: DictConfig | dict) -> bool:
+    """Whether a job's (or a logged config's) method trains its members together."""
+    return bool(keyed_method(resolved_config(cfg)["method"])["co_train"])
+
+
 def identity(cfg: DictConfig | dict, models: list[str] | None = None) -> dict:
     """What a job computes, the rule of docs/design.md ("Run keys"): the resolved config without the keys that
     say where or how it runs (``NON_IDENTITY_KEYS``), the catalog entries of its own models only (``models``,
@@ -57,6 +74,7 @@ def identity(cfg: DictConfig | dict, models: list[str] | None = None) -> dict:
     ``cfg`` is a composed config or a resolved one (a run's logged config.yaml)."""
     resolved = resolved_config(cfg)
     ident = copy.deepcopy({k: v for k, v in resolved.items() if k not in NON_IDENTITY_KEYS})
+    ident["method"] = keyed_method(ident["method"])
     for path, neutral in key_neutral_settings(resolved).items():
         *parents, name = path
         node = ident
@@ -79,7 +97,7 @@ def model_run_key(cfg: DictConfig | dict, role: str) -> str:
     """Identity of one trained model. Single-model methods leave out the pair, the peer and their catalog
     entries, so a GRPO baseline of (model, method, seed) is one run whichever pair launches it."""
     resolved = resolved_config(cfg)
-    if resolved["method"]["co_train"]:
+    if co_trained(resolved):
         return stable_hash({"job": identity(resolved), "role": role})
     model = resolved["pair"][role]
     ident = identity(resolved, models=[model])

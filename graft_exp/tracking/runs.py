@@ -207,7 +207,7 @@ def run_params(cfg: DictConfig) -> dict[str, str]:
 
 def job_description(cfg: DictConfig) -> str:
     pair = cfg.pair
-    how = "co-trained" if cfg.method.co_train else "each trained alone"
+    how = "co-trained" if methods.co_trains(cfg.method) else "each trained alone"
     members = [pair[role] for role in roles(pair)]
     kind = "pair" if len(members) == 2 else "group"
     return (f"{cfg.method.name} on {kind} {pair.name} ({' and '.join(members)}, {how}), seed {cfg.seed}, "
@@ -218,7 +218,7 @@ def model_description(cfg: DictConfig, role: str) -> str:
     peer = peer_key(cfg, role)
     replayed = methods.resolve(cfg.method).source.replays_log_of
     source = f"its stored {replayed} log" if replayed else "online"
-    partner = f", peer {peer} ({source})" if cfg.method.co_train else ""
+    partner = f", peer {peer} ({source})" if methods.co_trains(cfg.method) else ""
     return f"{cfg.pair[role]} (role {role}) trained with {cfg.method.name}{partner}, seed {cfg.seed}"
 
 
@@ -367,7 +367,7 @@ def open_model_run(cfg: DictConfig, job: TrackedRun, role: str) -> TrackedRun | 
     or it belongs to another job run (a shared baseline that job is training, or will resume)."""
     tags = {
         **common_tags(cfg), PARENT_TAG: job.run_id, schema.MODEL: cfg.pair[role],
-        schema.PEER: peer_key(cfg, role) if cfg.method.co_train else schema.NO_PEER,
+        schema.PEER: peer_key(cfg, role) if methods.co_trains(cfg.method) else schema.NO_PEER,
         schema.ROLE: role, schema.N: str(cfg.method.n), schema.DATA_ORDER: data_order(cfg),
         **snapshot_tags(cfg.models[cfg.pair[role]]), **source_tags("python -m graft_exp"),
         DESCRIPTION_TAG: model_description(cfg, role),
