@@ -10,6 +10,7 @@ says so."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -64,14 +65,19 @@ def rliable_measures(method: np.ndarray, reference: np.ndarray) -> dict[str, flo
     iqm = lambda scores: np.array([metrics.aggregate_iqm(scores)])
     # rliable's stratified bootstraps draw their resamples from NumPy's global stream whatever their random_state:
     # seeded here, and the caller's stream put back.
-    saved = np.random.get_state()
+    # Its per-measure progress lines ("Calculating estimates for m ...") would stand between a multirun's jobs table
+    # and its comparison: its logger says warnings only while it runs.
+    saved, progress = np.random.get_state(), logging.getLogger("absl")
+    progress_level = progress.level
     np.random.seed(BOOTSTRAP_SEED)
+    progress.setLevel(logging.WARNING)
     try:
         points, cis = rly.get_interval_estimates({"m": x, "r": y}, iqm, reps=BOOTSTRAP_REPS)
         poi_point, poi_ci = rly.get_interval_estimates({"p": (x, y)}, metrics.probability_of_improvement,
                                                        reps=BOOTSTRAP_REPS)
     finally:
         np.random.set_state(saved)
+        progress.setLevel(progress_level)
     (poi,), (poi_lo, poi_hi) = np.ravel(poi_point["p"]), np.ravel(poi_ci["p"])   # one task: shapes (1,), (2, 1)
     return {"P(improve)": float(poi), "P(improve) lo": float(poi_lo), "P(improve) hi": float(poi_hi),
             "IQM method": float(points["m"][0]), "IQM method lo": float(cis["m"][0, 0]),

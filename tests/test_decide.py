@@ -148,6 +148,20 @@ def test_rliable_measures_of_one_task():
     assert even["P(improve)"] == 0.5
 
 
+def test_rliable_says_nothing_between_a_multiruns_jobs_and_its_comparison(caplog):
+    """Under Hydra's INFO logging rliable's progress lines ("Calculating estimates for m ...") printed between the
+    jobs table and the comparison; they are held back while it runs, and its logger's level is put back."""
+    import logging
+
+    from graft_exp.intervals import rliable_measures
+
+    caplog.set_level(logging.INFO)
+    before = logging.getLogger("absl").level
+    rliable_measures(np.arange(4, dtype=float) + 1, np.arange(4, dtype=float))
+    assert not [r for r in caplog.records if r.name == "absl"]
+    assert logging.getLogger("absl").level == before
+
+
 # ------------------------------------------------------------------ the paired rule
 def test_the_sign_flip_p_value_by_hand():
     """[1, 2, 3]: the 8 sign patterns sum to +-6, +-4, +-2, +-0 (|.|: 6, 4, 2, 0, 0, 2, 4, 6); 2 reach 6."""
