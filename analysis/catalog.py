@@ -63,7 +63,7 @@ def peer_of(method: str, peer: str) -> str:
     return NO_PEER if method in SINGLE_MODEL_METHODS else peer
 N8_METHODS = ("grpo_n8", "hacpo", "sgt", "graft")
 
-#: Paper-style names of the methods, from their declarations (graft_exp/methods.py).
+#: Paper-style names of the methods, from their declarations (graft_exp/methods/__init__.py).
 METHOD_DISPLAY = {name: decl.display for name, decl in METHODS.items()}
 
 #: Methods drawn in the validation-curve figure, costed in the compute table and Fig. 3, and in the clip table.

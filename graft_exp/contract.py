@@ -1,7 +1,7 @@
 """The backend contract: what the driver (``graft_exp.driver``) needs from a backend, and what it hands back.
 
 A backend does only what depends on the hardware: generate, score, update with the method's loss
-(``graft_exp.objective``), evaluate, save and load. It is built for one job with the job's resolved method
+(``graft_exp.methods.objective``), evaluate, save and load. It is built for one job with the job's resolved method
 (``methods.Method``: its loss spec is ``method.loss``).
 
 The order of one training step, for every model (the driver keeps it; a backend may rely on it):
@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from graft_exp.evaluation import Generate
 from graft_exp.methods import Method
-from graft_exp.receiver import ReceiverBatch, Scorer
+from graft_exp.methods.receiver import ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 
 
@@ -99,7 +99,7 @@ class Backend(Protocol):
     def update(self, role: str, batch: ReceiverBatch, minibatches: list[list[int]], own: Sampled,
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """One optimizer step per minibatch, in order, with the method's loss (``method.loss``): the mean
-        minibatch ``loss`` and the summed counts of ``graft_exp.objective`` (``tokens_self``,
+        minibatch ``loss`` and the summed counts of ``graft_exp.methods.objective`` (``tokens_self``,
         ``clipped_tokens_peer``, ``seqs_*``, ...). Called after this step's ``scorer`` and its calls."""
 
     def generate(self, role: str, step: int) -> Generate:

@@ -5,8 +5,8 @@ steps, validation every ``eval.val_every`` steps, checkpoints (in ``run_director
 checkpoint, the final evaluation, GPU-hours and the MLflow lifecycle of the job and its model runs.
 A backend (``graft_exp.contract.Backend``, implemented by ``backends/local.py`` and ``backends/verl/``)
 only does what depends on the hardware: generate, score, update with the method's loss
-(``graft_exp.objective``), save and load. The method is resolved once (``methods.resolve``): the driver,
-the exchange (``graft_exp.exchange.plan_step`` routes every method's step) and the backend receive it.
+(``graft_exp.methods.objective``), save and load. The method is resolved once (``methods.resolve``): the driver,
+the exchange (``graft_exp.methods.exchange.plan_step`` routes every method's step) and the backend receive it.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
 from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
-from graft_exp.exchange import REPLAYED, plan_step
-from graft_exp.receiver import PEER, ReceiverBatch, Scorer
+from graft_exp.methods.exchange import REPLAYED, plan_step
+from graft_exp.methods.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scores import checkpoint_score, job_score, rescue_candidate
 from graft_exp.seeds import derive_seed
@@ -229,7 +229,7 @@ class Driver:
             with timer(role):
                 return self.refilled_rollout(role, step) if shared is None else self.rollout(role, shared, step)
         own = self.each(sample)
-        # 2. Exchange (exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
+        # 2. Exchange (methods/exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
         #    old policy (eq. 8), gated weights (eq. 9), each receiver's rows.
         scored = {role: Scored() for role in roles}   # what each receiver's scorer computed, for the count and log
         scorers = {role: self.counted(role, self.backend.scorer(role, own[role]), own[role], scored[role])
@@ -240,7 +240,7 @@ class Driver:
             self.work[role] += self.update_flops(role, batches[role], own[role], sources[role], scored[role])
 
         # 3. Update each receiver: one optimizer step per minibatch, in the method's order (peer groups last),
-        #    on the method's loss (eq. 10 for GRAFT; objective.py).
+        #    on the method's loss (eq. 10 for GRAFT; methods/objective.py).
         orders = {}
 
         def update(role):

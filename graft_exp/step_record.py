@@ -10,9 +10,9 @@ from pathlib import Path
 
 from graft_exp import schema
 from graft_exp.contract import Sampled
-from graft_exp.exchange import REPLAYED, peer_solved_frac, rollout_metrics
-from graft_exp.objective import LossSpec
-from graft_exp.receiver import PEER, ReceiverBatch
+from graft_exp.methods.exchange import REPLAYED, peer_solved_frac, rollout_metrics
+from graft_exp.methods.objective import LossSpec
+from graft_exp.methods.receiver import PEER, ReceiverBatch
 from graft_exp.rollouts import Rollouts
 from graft_exp.trajectories import write_step
 from graft_exp.transfers import Scored, group_rows

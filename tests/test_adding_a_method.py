@@ -23,7 +23,7 @@ PAGE = ROOT / "docs" / "adding-a-method.md"
 
 
 def test_the_page_s_code_is_the_shipped_code():
-    """A block opens with a comment naming its file (``# graft_exp/methods.py: ...``); each of its code lines
+    """A block opens with a comment naming its file (``# graft_exp/methods/__init__.py: ...``); each of its code lines
     stands in that file, in the block's order."""
     blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
     assert len(blocks) == 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import graft_exp
 from graft_exp import methods
 
 #: Attributes that hold a method's or a component's name.
@@ -36,8 +37,8 @@ def name_comparisons(path: Path) -> list[str]:
 
 
 def test_no_method_routing_by_name_in_the_driver_exchange_backends_or_launchers():
-    root = Path(methods.__file__).parent
-    files = [root / "driver.py", root / "step_record.py", root / "exchange.py", root / "objective.py",
+    root = Path(graft_exp.__file__).parent
+    files = [root / "driver.py", root / "step_record.py", root / "methods" / "exchange.py", root / "methods" / "objective.py",
              *sorted((root / "backends").rglob("*.py")), *sorted((root / "launching").rglob("*.py")),
              *sorted((root / "sweep").rglob("*.py"))]
     assert not [hit for path in files for hit in name_comparisons(path)]
@@ -55,7 +56,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def package_imports() -> dict[str, set[str]]:
     """graft_exp's modules (dotted names) and the package modules each imports."""
-    root = Path(methods.__file__).parent
+    root = Path(graft_exp.__file__).parent
     modules = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root.parent).with_suffix("").parts
@@ -67,18 +68,21 @@ def test_control_flows_one_way():
     """docs/design.md's layers: backends never import the driver; the driver, the contract, the exchange and
     the objective never import a backend; the method registry imports nothing of the loop; no two modules of the
     package import each other, directly or round a longer circle (lazy and type-only imports counted)."""
-    root = Path(methods.__file__).parent
+    root = Path(graft_exp.__file__).parent
     for path in (root / "backends").rglob("*.py"):
         assert "graft_exp.driver" not in imported_modules(path), path
-    for name in ("driver.py", "contract.py", "exchange.py", "objective.py", "methods.py", "config.py"):
+    for name in ("driver.py", "contract.py", "methods/exchange.py", "methods/objective.py", "methods/__init__.py",
+                 "config.py"):
         assert not any(m.startswith("graft_exp.backends") for m in imported_modules(root / name)), name
     # the registry names the pure math of graft_exp.algorithms, its peer losses (the receiver batch they build)
-    # and the receiver losses (graft_exp.objective, which itself needs only the name tables and the math)
-    below = {"algorithms", "objective", "registry", "peer_losses", "receiver", "rollouts", "hyperparameters"}
-    assert not [m for m in imported_modules(root / "methods.py")
-                if m.startswith("graft_exp") and m.split(".")[1] not in below]
-    assert not [m for m in imported_modules(root / "objective.py")
-                if m.startswith("graft_exp") and m.split(".")[1] not in {"algorithms", "registry", "hyperparameters"}]
+    # and the receiver losses (graft_exp.methods.objective, which itself needs only the name tables and the math)
+    def outside(path: Path, allowed: set[str]) -> list[str]:
+        return [m for m in imported_modules(path) if m.startswith("graft_exp")
+                and ".".join(m.split(".")[1:3]) not in allowed and m.split(".")[1] not in allowed]
+    assert not outside(root / "methods" / "__init__.py", {"algorithms", "methods.objective", "methods.registry",
+                                                         "methods.peer_losses", "methods.receiver", "rollouts",
+                                                         "hyperparameters"})
+    assert not outside(root / "methods" / "objective.py", {"algorithms", "methods.registry", "hyperparameters"})
     graph, circles = package_imports(), []
 
     def visit(module: str, path: list[str]) -> None:
@@ -98,7 +102,7 @@ def test_control_flows_one_way():
 def design_layers() -> dict[str, int]:
     """docs/design.md's architecture table: each unit (a module, ``package/``, ``tiny/__main__``) and its layer,
     0 at the bottom."""
-    text = (Path(methods.__file__).parents[1] / "docs" / "design.md").read_text()
+    text = (Path(graft_exp.__file__).parents[1] / "docs" / "design.md").read_text()
     block = text.split("## The architecture in one picture", 1)[1].split("```", 2)[1]
     rows = [line.split("│") for line in block.splitlines() if line.count("│") == 2][1:]   # the header row out
     return {unit: len(rows) - 1 - i for i, row in enumerate(rows) for unit in row[1].split()}
@@ -106,7 +110,7 @@ def design_layers() -> dict[str, int]:
 
 def unit_of(module: str) -> str | None:
     """The design table's unit of a ``graft_exp`` module name (None: the package itself)."""
-    root = Path(methods.__file__).parent
+    root = Path(graft_exp.__file__).parent
     parts = module.split(".")[1:]
     if not parts:
         return None
@@ -116,7 +120,7 @@ def unit_of(module: str) -> str | None:
 
 
 def test_the_design_table_lists_every_module_and_imports_only_go_down():
-    layers, root = design_layers(), Path(methods.__file__).parent
+    layers, root = design_layers(), Path(graft_exp.__file__).parent
     units = {unit_of("graft_exp." + ".".join(p.relative_to(root).with_suffix("").parts))
              for p in root.rglob("*.py") if p.name != "__init__.py" or p.parent != root}
     assert units == set(layers), f"not in docs/design.md's table: {sorted(units - set(layers))}; " \

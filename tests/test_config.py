@@ -19,7 +19,7 @@ DESIGN_METHODS = set(declared_methods)
 
 
 def test_every_design_method_has_a_config():
-    """One YAML per declared method and one declaration per YAML (graft_exp/methods.py)."""
+    """One YAML per declared method and one declaration per YAML (graft_exp/methods/__init__.py)."""
     assert set(METHODS) == DESIGN_METHODS
     assert set(PAIRS) == {"tiny", "tiny_ac", "tiny_bc", "tiny_verl", "tiny_paper_vocab", "pair1", "pair2", "pair3"}
 

@@ -12,7 +12,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen3Config
 from graft_exp import driver, schema, tracking
 from graft_exp.config import validate
 from graft_exp.costs import TRAIN_PASSES, ModelFlops
-from graft_exp.receiver import PEER
+from graft_exp.methods.receiver import PEER
 
 
 def test_qwen3_1_7b_counts_its_published_non_embedding_parameters_plus_the_unembedding():

@@ -1,4 +1,4 @@
-"""graft_exp.exchange: each method's receiver batch from two models' rollouts (paper §3, App. B/G).
+"""graft_exp.methods.exchange: each method's receiver batch from two models' rollouts (paper §3, App. B/G).
 
 The scorer is the backend's job; here it is a plain function returning chosen receiver log-prob sums,
 which makes the compatibility scores exact and known."""
@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from graft_exp.config import MethodConfig
-from graft_exp.exchange import peer_solved_frac, plan_exchange, select_prompts
+from graft_exp.methods.exchange import peer_solved_frac, plan_exchange, select_prompts
 from graft_exp.methods import resolve
-from graft_exp.receiver import PEER, SELF
+from graft_exp.methods.receiver import PEER, SELF
 from graft_exp.rollouts import Rollouts
 
 N = 4

@@ -9,8 +9,8 @@ import torch
 from test_exchange import method, plan_pair, rollouts, scorer_with
 
 from graft_exp.algorithms import resolve_sources
-from graft_exp.exchange import plan_exchange
-from graft_exp.receiver import PEER
+from graft_exp.methods.exchange import plan_exchange
+from graft_exp.methods.receiver import PEER
 
 # Prompt 0: A fails; B (k=3) and C (k=2) both qualify for A. Prompt 1: A fails, only C qualifies.
 # Prompt 2: B and C fail, A (k=2) qualifies for both. Prompt 3: A all correct: no candidate anywhere.

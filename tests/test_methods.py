@@ -1,4 +1,4 @@
-"""The method registry (graft_exp/methods.py): every declared method resolves to components, components
+"""The method registry (graft_exp/methods/__init__.py): every declared method resolves to components, components
 answer what the driver, the exchange and the backends ask, and unknown names fail listing the valid ones."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from graft_exp.algorithms import (
 )
 from graft_exp.config import ConfigError, HacpoConfig, MethodConfig, validate
 from graft_exp.hyperparameters import HACPO_MINIBATCH_PROMPTS
-from graft_exp.objective import OBJECTIVES, LossSpec
-from graft_exp.registry import RuleParam
+from graft_exp.methods.objective import OBJECTIVES, LossSpec
+from graft_exp.methods.registry import RuleParam
 
 
 def method_config(**overrides):

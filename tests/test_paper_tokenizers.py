@@ -235,7 +235,7 @@ def test_a_peer_copy_cut_at_the_receiver_s_limit_is_not_transferred(tokenizers):
 
     from graft_exp.backends.verl import batch as vb
     from graft_exp.methods import CUT_COPIES
-    from graft_exp.receiver import PEER, SELF, ReceiverBatch, Row
+    from graft_exp.methods.receiver import PEER, SELF, ReceiverBatch, Row
 
     limit, src, dst = 512, tokenizers["octothinker-3b-hybrid-base"], tokenizers["qwen3-1.7b-base"]
     stop = vb.stop_token_ids(dst, GenerationConfig(eos_token_id=SNAPSHOTS["qwen3-1.7b-base"].generation_eos))[0]

@@ -14,7 +14,7 @@ from support.mlflow_records import histories, model_runs
 from analysis.transfers import newcombe, prompt_rows, rates, wilson
 from graft_exp import driver, schema, tracking
 from graft_exp.config import validate
-from graft_exp.receiver import PEER
+from graft_exp.methods.receiver import PEER
 from graft_exp.transfers import read_log
 
 FAST = ["train.max_steps=2", "train.batch_prompts=8", "train.minibatch_prompts=4", "eval.runs=1", "eval.samples=1",

@@ -1,4 +1,4 @@
-"""The verl side of graft_exp.exchange on real tokenizers with chat templates: re-tokenized peer
+"""The verl side of graft_exp.methods.exchange on real tokenizers with chat templates: re-tokenized peer
 responses scored by the receiver, every method's ReceiverBatch as verl rows (verl's padded layout,
 weights and source advantages as columns), minibatches in the method's order laid out for verl's
 data-parallel dispatch."""
@@ -25,10 +25,10 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from graft_exp.algorithms import grpo_advantages
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
-from graft_exp.exchange import select_prompts
+from graft_exp.methods.exchange import select_prompts
 from graft_exp.methods import resolve
 from graft_exp.prompts import end_of_turn_id
-from graft_exp.receiver import PEER
+from graft_exp.methods.receiver import PEER
 from graft_exp.rollouts import Rollouts
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",
@@ -117,7 +117,7 @@ def _rollouts(tokenizer, prompts: int = PROMPTS, n: int = N, finished_every: int
 
 def _exchange_view(data: DataProto, tokenizer, model: str, rewards: torch.Tensor,
                    scores: torch.Tensor | None = None) -> Rollouts:
-    """The same rollouts as graft_exp.exchange sees them. With ``scores``, the generation log-probs are
+    """The same rollouts as graft_exp.methods.exchange sees them. With ``scores``, the generation log-probs are
     set so that a receiver whose old policy gives every token log-prob 0 scores them s = ``scores``."""
     prompts, n = rewards.shape
     texts, finished = vb.decode_responses(data, tokenizer, _stop_ids(tokenizer))

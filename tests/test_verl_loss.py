@@ -22,7 +22,7 @@ from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.backends.verl.config import verl_config
 from graft_exp.backends.verl.loss import actor_loss
-from graft_exp.objective import LossSpec
+from graft_exp.methods.objective import LossSpec
 
 ROWS, PROMPT_LEN, RESPONSE_LEN = 8, 6, 7
 

@@ -40,8 +40,8 @@ from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.backends.verl.ray_slurm import start_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, offset_replica_class, scoped_job_id, scoped_zmq_handle
 from graft_exp.methods import resolve
-from graft_exp.objective import LossSpec
-from graft_exp.receiver import SELF, ReceiverBatch, Row
+from graft_exp.methods.objective import LossSpec
+from graft_exp.methods.receiver import SELF, ReceiverBatch, Row
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.tiny.models import ASSETS
 

@@ -3,7 +3,7 @@ losses and minibatch ordering. No I/O and no model code; every function validate
 and raises ``ValueError`` on bad ones.
 
 Every rule is named once, where a method's config picks it: the components in ``graft_exp.methods``,
-the receiver losses in ``graft_exp.objective.OBJECTIVES``.
+the receiver losses in ``graft_exp.methods.objective.OBJECTIVES``.
 """
 
 from .advantages import grpo_advantages, pooled_group_advantages

@@ -2,7 +2,7 @@
 
 An adapter for ``graft_exp.driver``: it samples with per-token log-probs, scores re-tokenized peer
 responses under the receiver's old policy, and updates a receiver over the driver's minibatches with
-``graft_exp.objective.receiver_loss``; the loop, the exchange and the records are the driver's.
+``graft_exp.methods.objective.receiver_loss``; the loop, the exchange and the records are the driver's.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
 from graft_exp.costs import accounted_gpus
 from graft_exp.methods import Method
-from graft_exp.objective import COUNT_METRICS, NllRows, generation_mean_log_prob, receiver_loss
-from graft_exp.receiver import PEER, ReceiverBatch, Scorer
+from graft_exp.methods.objective import COUNT_METRICS, NllRows, generation_mean_log_prob, receiver_loss
+from graft_exp.methods.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scheduler import job_cores
 from graft_exp.tiny import models as tiny

@@ -21,8 +21,8 @@ from transformers import LlamaConfig
 
 from graft_exp.contract import Generation, Sampled
 from graft_exp.methods import Method
-from graft_exp.objective import COUNT_METRICS, LossSpec
-from graft_exp.receiver import PEER, ReceiverBatch
+from graft_exp.methods.objective import COUNT_METRICS, LossSpec
+from graft_exp.methods.receiver import PEER, ReceiverBatch
 from graft_exp.rollouts import Rollouts
 
 

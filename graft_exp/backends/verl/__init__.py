@@ -1,5 +1,5 @@
 """The verl backend (Ray + FSDP + vLLM on GPU nodes): two actor-rollout worker groups, one per model on
-split resource pools, driven step by step by graft_exp with the same exchange (``graft_exp.exchange``),
+split resource pools, driven step by step by graft_exp with the same exchange (``graft_exp.methods.exchange``),
 trajectory log (``graft_exp.trajectories``), evaluation protocol (``graft_exp.evaluation``) and MLflow
 schema as the local backend.
 

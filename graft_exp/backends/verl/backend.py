@@ -34,9 +34,9 @@ from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
 from graft_exp.methods import Method
-from graft_exp.objective import COUNT_METRICS
+from graft_exp.methods.objective import COUNT_METRICS
 from graft_exp.prompts import job_prompt_date, pin_template_date, reads_the_clock
-from graft_exp.receiver import ReceiverBatch, Scorer
+from graft_exp.methods.receiver import ReceiverBatch, Scorer
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed

@@ -1,7 +1,7 @@
-"""The verl side of ``graft_exp.exchange``: rollouts and receiver batches in verl's ``DataProto`` layout.
+"""The verl side of ``graft_exp.methods.exchange``: rollouts and receiver batches in verl's ``DataProto`` layout.
 
 The exchange itself (which prompts, which rows, advantages, weights, minibatch order) is
-``graft_exp.exchange``'s, shared with the local backend; this module only moves its results in and out
+``graft_exp.methods.exchange``'s, shared with the local backend; this module only moves its results in and out
 of verl's tensors: the receiver's ``Scorer`` backed by one batched log-prob call of its worker group
 (``PeerScorer``), peer responses re-tokenized for the receiver (``peer_batch``), the ``ReceiverBatch``
 as verl rows with the loss's columns (``receiver_batch``), and its minibatches laid out for verl's
@@ -35,7 +35,7 @@ from graft_exp.backends.verl.loss import (
     WEIGHT,
 )
 from graft_exp.prompts import end_of_turn_id
-from graft_exp.receiver import PEER, SELF, ReceiverBatch, Row
+from graft_exp.methods.receiver import PEER, SELF, ReceiverBatch, Row
 from graft_exp.rollouts import Rollouts
 
 #: Non-tensor columns of peer and receiver rows: the prompt's index in the step's batch, the response's
@@ -179,7 +179,7 @@ def peer_batch(receiver_own: DataProto, n: int, pairs: list[tuple[int, int]], so
 
 
 class PeerScorer:
-    """``graft_exp.exchange.Scorer`` of one receiver: the source's responses on the requested prompts
+    """``graft_exp.methods.exchange.Scorer`` of one receiver: the source's responses on the requested prompts
     re-tokenized for the receiver (``peer_batch``) and scored by one batched ``log_probs`` call (eq. 8's
     receiver term). The scored rows, with their ``old_log_probs``, are kept in ``scored`` for the update,
     which trains on exactly those tokens and old log-probs."""

@@ -28,7 +28,7 @@ from tensordict import TensorDict
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from graft_exp.objective import COUNT_METRICS, LossSpec, NllRows, receiver_loss
+from graft_exp.methods.objective import COUNT_METRICS, LossSpec, NllRows, receiver_loss
 
 WEIGHT, IS_PEER, DENOMINATOR = "graft_weight", "graft_is_peer", "graft_denominator"
 NLL, NLL_DENOMINATOR = "graft_nll", "graft_nll_denominator"
@@ -61,7 +61,7 @@ def _metrics(loss: torch.Tensor, raw: dict[str, torch.Tensor], dp_size: int) -> 
 def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_group=None):
     """verl loss function (``set_loss_fn``) for one micro-batch: returns ``(loss, metrics)``.
 
-    The objective is ``graft_exp.objective.receiver_loss``, the one the local backend optimises, with
+    The objective is ``graft_exp.methods.objective.receiver_loss``, the one the local backend optimises, with
     the minibatch-wide denominators the rows carry. ``config`` is the actor's verl ``ActorConfig``
     (unused, kept for verl's signature). The returned loss is the micro-batch's share of the minibatch
     objective times the data-parallel size, because FSDP averages gradients over data-parallel ranks.

@@ -71,7 +71,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import JOB_TOKEN_ENV
 from graft_exp.backends.verl.loss import actor_loss
-from graft_exp.objective import LossSpec
+from graft_exp.methods.objective import LossSpec
 from graft_exp.resources import LATEST_CONTENTS
 
 #: verl's prefix of the trainer -> vLLM weight-transfer socket (vllm_rollout.py / vllm_rollout/utils.py).

@@ -1,5 +1,5 @@
 """What one receiver trains on at a step: its rows (own and peer responses with their advantages and weights),
-grouped for minibatching. Built by the method's peer loss (``graft_exp.peer_losses``), read by the backends.
+grouped for minibatching. Built by the method's peer loss (``graft_exp.methods.peer_losses``), read by the backends.
 
 Torch-free at import, like ``graft_exp.methods``: tensors arrive already built."""
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from graft_exp.peer_losses import HacpoPeerLoss, NllPeerLoss, PeerLoss
-from graft_exp.registry import Registry, RuleParam, UnknownName, fixed
+from graft_exp.methods.peer_losses import HacpoPeerLoss, NllPeerLoss, PeerLoss
+from graft_exp.methods.registry import Registry, RuleParam, UnknownName, fixed
 
 if TYPE_CHECKING:   # the rules import torch when they run: config, tracking and launching stay torch-free
     import torch
 
-    from graft_exp.objective import LossSpec
+    from graft_exp.methods.objective import LossSpec
 
 
 # ------------------------------------------------------------------------------------ components
@@ -274,7 +274,7 @@ SOURCE_RULES.register("compatibility", fixed(SourceRule(_by_compatibility)))
 SOURCE_RULES.register("random", fixed(SourceRule(_no_preference)))
 
 
-#: How a receiver learns from peer responses: each entry is the behaviour (``graft_exp.peer_losses``).
+#: How a receiver learns from peer responses: each entry is the behaviour (``graft_exp.methods.peer_losses``).
 PEER_LOSSES = Registry("method.peer_loss")
 PEER_LOSSES.register("none", fixed(PeerLoss(transfers=False)))
 PEER_LOSSES.register("graft", fixed(PeerLoss()))                                       # eq. (10)
@@ -368,7 +368,7 @@ declare("graft_top_half", "GRAFT, peers' top half", "graft")
 def declaration(name: str) -> Declaration:
     """The declaration of method ``name`` (UnknownName lists the declared methods)."""
     if name not in METHODS:
-        raise UnknownName(f"method={name!r} is not declared in graft_exp/methods.py; declared: {', '.join(METHODS)}")
+        raise UnknownName(f"method={name!r} is not declared in graft_exp/methods/__init__.py; declared: {', '.join(METHODS)}")
     return METHODS[name]
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from graft_exp.receiver import PEER, SELF, ReceiverBatch, Row
+from graft_exp.methods.receiver import PEER, SELF, ReceiverBatch, Row
 
 if TYPE_CHECKING:
     import torch
 
-    from graft_exp.objective import LossSpec
-    from graft_exp.receiver import Scorer
+    from graft_exp.methods.objective import LossSpec
+    from graft_exp.methods.receiver import Scorer
     from graft_exp.rollouts import Rollouts
 
 
@@ -44,7 +44,7 @@ class PeerLoss:
     # ---------------------------------------------------------------- settings the rest of the code asks for
     def loss_spec(self, method) -> LossSpec:
         """The receiver loss and its settings for a resolved method (``methods.Method.loss``)."""
-        from graft_exp.objective import LossSpec
+        from graft_exp.methods.objective import LossSpec
         config, hacpo = method.config, method.config.hacpo
         return LossSpec(kind=method.objective, clip_low=float(config.clip_low), clip_high=float(config.clip_high),
                         clip_ratio_c=float(config.clip_ratio_c), luffy_gamma=float(config.luffy_gamma),

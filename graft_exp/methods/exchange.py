@@ -13,11 +13,11 @@ log, single-model methods not at all; with K > 2 a receiver offered a prompt by 
       w(o|q)          = method.weights(s, rewards)                  eq. (9) / no gate / random / success
       rows            = method.peer_loss.assemble(...)              own groups, selected groups replaced by S's
                         whole group with S's advantages (w = 0 rows removed; pooled variant keeps both groups;
-                        HACPO pools every prompt, SGT adds an NLL term: graft_exp.peer_losses)
+                        HACPO pools every prompt, SGT adds an NLL term: graft_exp.methods.peer_losses)
       minibatches     = method.order(peer groups)                   peer-last by default (method.peer_position)
 
 Everything numeric is delegated to ``graft_exp.algorithms``; this module only routes by the answers
-of the method's components (``graft_exp.methods``, ``graft_exp.peer_losses``). Scoring needs the receiver's
+of the method's components (``graft_exp.methods``, ``graft_exp.methods.peer_losses``). Scoring needs the receiver's
 model, so the backend passes a ``Scorer``: given prompt indices and the source's responses, it returns the
 receiver-old summed log-probs and token counts of their re-tokenizations (it may cache the per-token values it
 computes for the update that follows).
@@ -31,7 +31,7 @@ import torch
 
 from graft_exp.algorithms import resolve_sources
 from graft_exp.methods import Method
-from graft_exp.receiver import Scorer
+from graft_exp.methods.receiver import Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scores import rescue_candidate
 

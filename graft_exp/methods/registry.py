@@ -1,5 +1,5 @@
 """Name tables: a component, rule or loss by its config name, with the valid names in the error of a
-wrong one. ``graft_exp.methods`` holds one table per method component, ``graft_exp.objective`` the
+wrong one. ``graft_exp.methods`` holds one table per method component, ``graft_exp.methods.objective`` the
 receiver losses."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from graft_exp.algorithms import (
     sgt_nll_loss,
 )
 from graft_exp.hyperparameters import CLIP_HIGH, CLIP_LOW, LUFFY_GAMMA, SGT_LAMBDA
-from graft_exp.registry import Registry
+from graft_exp.methods.registry import Registry
 
 #: The loss's count metrics, summed over a step's micro-batches, ranks and minibatches: tokens (HACPO:
 #: sequences) of own and peer rows, of those the clipped ones, and SGT's NLL tokens.
