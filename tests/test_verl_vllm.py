@@ -21,9 +21,9 @@ vLLM's ``SamplingParams`` (n requests per prompt with distinct seeds, temperatur
 tokens) and responses end at a stop token or at the length limit; GRAFT exchanged responses across the two
 tokenizers, the receiver trained on them (peer tokens in its loss, its log-probs of them moved); a job stopped
 after its first checkpoint is resumed by a fresh driver into the same MLflow run, the saved weights loaded back
-(the live ones were trained past them); the same requests (prompts and seeds) sample the same tokens; SGT,
-HACPO (its KL term on verl's reference model) and GRPO with dynamic sampling (the single-model path) each train a
-step, checkpoint and evaluate.
+(the live ones were trained past them); the same requests (prompts and seeds) sample the same tokens; GRPO
+with dynamic sampling (the single-model path, refilled batches, the engine's unseeded stream) trains a step,
+checkpoints and evaluates.
 """
 
 from __future__ import annotations
@@ -85,9 +85,6 @@ VLLM_SETTINGS = (
     "actor_rollout_ref.rollout.enforce_eager=True",
     "actor_rollout_ref.rollout.max_num_seqs=64",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=96",
-    # FSDP2 builds the frozen reference model with CPUOffloadPolicy(pin_memory=True) (verl 0.9.1's
-    # transformer_impl), and pinned host memory needs a GPU: here the reference (HACPO's) is FSDP1; the actor FSDP2.
-    "actor_rollout_ref.ref.strategy=fsdp",
 )
 #: Every token the trainer scores costs a row of 128,256-151,936 logits (about 40x the old tiny tokenizers' work
 #: per token on two cores): 4 samples per prompt, 2 problems per benchmark and validation before training and at
@@ -183,8 +180,7 @@ class Engines:
             kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
             self.ray_dir = kwargs["_temp_dir"]
             start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
-            # With the reference model whichever job comes first: HACPO's KL term reads it, the others ignore it.
-            start_models(list(backend.models.values()), with_ref=True)
+            start_models(list(backend.models.values()), with_ref=False)   # no job here has a KL term
             self.live = backend.models
         else:
             attach_started(backend.models, self.live)
@@ -468,12 +464,12 @@ def test_graft_on_vllm_exchanges_across_tokenizers_and_resumes(compose_cfg, pape
     engines.requests("A")
 
 
-# SGT's loss on verl's workers is test_verl_contract's (its NLL rows are peer copies, re-tokenized as GRAFT's, which
-# the graft job above trains on through vLLM); here each job adds what vLLM alone exercises: HACPO's the unseeded
-# engine stream, GRPO with dynamic sampling the refilled batches.
-@pytest.mark.parametrize("method", ["hacpo", "grpo_ds"])
-def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared, store_template, tmp_path,
-                                                    engines, method, monkeypatch):
+# SGT's and HACPO's losses on verl's workers are test_verl_contract's (their peer rows are re-tokenized copies, as
+# GRAFT's, which the graft job above trains on through vLLM; HACPO's reference model and KL term are the trainer's,
+# whatever the rollout). Here GRPO with dynamic sampling adds what vLLM alone exercises: batches refilled from
+# several draws of the engine, and the engine's own unseeded stream.
+def test_grpo_with_dynamic_sampling_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared, store_template,
+                                                                      tmp_path, engines, monkeypatch):
     """A step on half the graft job's batch, validations, a checkpoint and the final evaluation of the best
     checkpoint on the engines the graft job started; every rollout checked against the trainer's weights, every
     request's settings. (Stopping and resuming is the same for every method: the graft test does it;
@@ -484,13 +480,12 @@ def test_method_on_vllm_trains_a_step_and_evaluates(compose_cfg, paper_prepared,
     monkeypatch.setattr(driver, "MAX_GEN_BATCHES", 2)
     CheckedBackend.reset()
     batch = ["train.batch_prompts=4", "train.minibatch_prompts=2"]
-    # HACPO's job sends its requests unseeded (vLLM's batched sampler), the others with a seed each.
-    seeding = ["backend.seeded_requests=false"] if method == "hacpo" else []
-    cfg, job = job_maker(compose_cfg, paper_prepared, tmp_path, method, *batch, *seeding, "train.max_steps=1")()
+    # Unseeded requests sample from the engine's own stream (vLLM's batched sampler); the graft job's carry a seed each.
+    cfg, job = job_maker(compose_cfg, paper_prepared, tmp_path, "grpo_ds", *batch, "backend.seeded_requests=false",
+                         "train.max_steps=1")()
     assert set(driver.fit(cfg, job, engines)) == {"A", "B"}
     check_job(job, cfg, steps=(1,))
     for role in ("A", "B"):
         check_requests(engines, cfg, role)
     assert sorted(p.name for p in driver.run_directory(cfg).glob("ckpt-*")) == ["ckpt-1"]
-    if method == "grpo_ds":   # two independent models: neither trains on the other's responses
-        assert not CheckedBackend.log["exchanges"]
+    assert not CheckedBackend.log["exchanges"]   # two independent models: neither trains on the other's responses
