@@ -507,12 +507,24 @@ class Driver:
         if not self.members:
             log.info("every model run of this job is FINISHED already; nothing to train")
             return {}
+        self.start()
+        if self.train(stop_at_step):
+            return {}
+        return self.finish()
+
+    def start(self) -> None:
+        """Before the first step: the newest checkpoint's state (a resumed job), the config, step 0's validation."""
         if self.job.resumed:
             self.load_checkpoint()
         self.log_config()
-        every, save_every = int(self.cfg.eval.val_every), int(self.cfg.train.save_every)
         if self.start_step == 1:
             self.validate(0)
+
+    def train(self, stop_at_step: int | None) -> bool:
+        """The steps, each logged once, validated every ``eval.val_every`` steps and checkpointed every
+        ``train.save_every``, to the last step or the one that spends the budget. True when it stopped at
+        ``stop_at_step`` instead."""
+        every, save_every = int(self.cfg.eval.val_every), int(self.cfg.train.save_every)
         with progress_bar(bool(self.cfg.backend.progress), self.total_steps, self.start_step - 1,
                           list(self.members)) as bar:
             for step in range(self.start_step, self.total_steps + 1):
@@ -533,10 +545,15 @@ class Driver:
                     self.save_checkpoint(step)   # timed: the warning before a time limit must cover it
                     self.job.log_metrics({schema.CHECKPOINT_SECONDS: time.perf_counter() - started}, step)
                 if step == stop_at_step:
-                    return {}
+                    return True
                 if last:
                     self.job.set_tags({schema.LAST_STEP: step})
                     break
+        return False
+
+    def finish(self) -> dict[str, dict[str, float]]:
+        """After the last step: each model's best checkpoint evaluated, its run closed (``finish_member``), and the
+        job's score where every model was evaluated. Returns each model's mean final test scores."""
         results = self.each(self.final_evaluation)
         scores = {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
         if len(scores) == len(roles(self.cfg.pair)):   # a baseline job may have evaluated only some of its models
