@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import schema, tracking
 from graft_exp.launching import status, summary
-from graft_exp.launching.callbacks import SWEEP_ENV
+from graft_exp.launching.callbacks import SWEEP_ENV, Concurrency
 from graft_exp.launching.jobs import CONF_DIR, Job
 from graft_exp.sweep.planning import Sweep, SweepJob
 from graft_exp.sweep.state import STYLE, console, counts, report, snapshot
@@ -187,3 +187,11 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
         console.print(f"  [yellow]not launched[/] #{sj.index} {sj.job.label}: what it needs did not finish")
     return 0 if compared and counts(sweep, snap)[status.DONE] == len(sweep.jobs) else 1
 
+
+def launcher(cluster: DictConfig | None, overrides: list[str], out: Path, poll_s: float | None):
+    """``run`` as the jobs' ``cluster`` launches them (``Concurrency``), for a planned sweep or each round of
+    ``until_decided``; ``poll_s`` None: the cluster's ``poll_s``."""
+    concurrency = Concurrency.of(cluster)
+    poll = poll_s if poll_s is not None else float(cluster.poll_s if cluster else 30)
+    cores = concurrency.sweep_cores()
+    return lambda sweep: run(sweep, overrides, out, parallel=concurrency.multiruns_overlap, poll_s=poll, cores=cores)
