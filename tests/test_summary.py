@@ -59,7 +59,7 @@ def test_a_sweeps_results_from_its_snapshots_run_ids_are_the_lookup_by_key(uri, 
     jobs = [("#0 method=graft", "main-graft-pair1-0"), ("#1 method=sgt", "no-such-key")]
     summary.print_jobs(uri, jobs, "sweep: results")
     by_key = capsys.readouterr().out
-    newest = {key: row["run_id"] for key, row in status.newest_by_key(status.fetch_runs(uri)).items()}
+    run_ids = {key: row["run_id"] for key, row in status.newest_by_key(status.fetch_runs(uri)).items()}
     monkeypatch.setattr(summary.tracking, "find_run", lambda *_: pytest.fail("a key looked up again"))
-    summary.print_jobs(uri, jobs, "sweep: results", newest=newest)
+    summary.print_jobs(uri, jobs, "sweep: results", run_ids=run_ids)
     assert capsys.readouterr().out == by_key

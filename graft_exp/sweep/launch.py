@@ -200,7 +200,7 @@ def final_report(sweep: Sweep, snap: Snapshot, attempted: set[str]) -> int:
     compared = summary.print_jobs(sweep.uri, [(f"#{sj.index} {sj.job.label}", sj.key) for sj in sweep.jobs],
                                   f"{sweep.path} - study {sweep.study}: results",
                                   reference=sweep.jobs[0].job.cfg.compare_to if sweep.jobs else None,
-                                  newest=snap.run_ids)
+                                  run_ids=snap.run_ids)
     never = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
     for sj in never:
         console.print(f"  [yellow]not launched[/] #{sj.index} {sj.job.label}: what it needs did not finish")
