@@ -472,33 +472,6 @@ class Driver:
         log.info("resumed from %s (step %d)", found[-1], state["step"])
 
     # -------------------------------------------------------------------- the job
-    def final_evaluation(self, role: str) -> list[dict[str, float]]:
-        """The best checkpoint's scores, R runs x k samples."""
-        ev = self.cfg.eval
-        self.backend.restore_best(role)
-        return final_evaluation(self.backend.generate(role, self.members[role].best.step), self.backend.benchmarks(),
-                                int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
-                                derive_seed(self.cfg.seed, "test"))
-
-    def finish_member(self, member: Member, results: list[dict[str, float]]) -> dict[str, float]:
-        """Record the final evaluation, the artifacts, FINISHED."""
-        for r, scores in enumerate(results):
-            member.log({schema.TEST + k: v for k, v in scores.items()}, r)
-        member.log({schema.SCORE: checkpoint_score([scores[AVG] for scores in results])}, 0)
-        if member.run is not None:
-            member.run.set_tags({schema.BEST_STEP: member.best.step})
-            traj = self.root / "trajectories" / member.role
-            staged = self.root / f"artifacts_{member.role}"
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir()
-            member.run.log_artifact(write_prompt_success(read_log(traj), staged / "prompt_success.parquet"))
-            member.run.client.log_artifacts(member.run.run_id, str(traj), "trajectories")
-            if (self.root / "transfers" / member.role).is_dir():
-                member.run.client.log_artifacts(member.run.run_id, str(self.root / "transfers" / member.role),
-                                                "transfers")
-            member.run.finish("FINISHED")
-        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
-
     def fit(self, stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
         """Train to the last step (validating, checkpointing), evaluate the best checkpoints, close the runs.
 
@@ -559,6 +532,33 @@ class Driver:
         if len(scores) == len(roles(self.cfg.pair)):   # a baseline job may have evaluated only some of its models
             self.job.log_metrics({schema.SCORE: job_score([s[AVG] for s in scores.values()])}, 0)
         return scores
+
+    def final_evaluation(self, role: str) -> list[dict[str, float]]:
+        """The best checkpoint's scores, R runs x k samples."""
+        ev = self.cfg.eval
+        self.backend.restore_best(role)
+        return final_evaluation(self.backend.generate(role, self.members[role].best.step), self.backend.benchmarks(),
+                                int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
+                                derive_seed(self.cfg.seed, "test"))
+
+    def finish_member(self, member: Member, results: list[dict[str, float]]) -> dict[str, float]:
+        """Record the final evaluation, the artifacts, FINISHED."""
+        for r, scores in enumerate(results):
+            member.log({schema.TEST + k: v for k, v in scores.items()}, r)
+        member.log({schema.SCORE: checkpoint_score([scores[AVG] for scores in results])}, 0)
+        if member.run is not None:
+            member.run.set_tags({schema.BEST_STEP: member.best.step})
+            traj = self.root / "trajectories" / member.role
+            staged = self.root / f"artifacts_{member.role}"
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir()
+            member.run.log_artifact(write_prompt_success(read_log(traj), staged / "prompt_success.parquet"))
+            member.run.client.log_artifacts(member.run.run_id, str(traj), "trajectories")
+            if (self.root / "transfers" / member.role).is_dir():
+                member.run.client.log_artifacts(member.run.run_id, str(self.root / "transfers" / member.role),
+                                                "transfers")
+            member.run.finish("FINISHED")
+        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
     def budget_spent(self) -> bool:
         """Whether the job's cost in its budget's charge (``cost/gpu_hours`` or ``cost/flops``) reached it."""
