@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import methods, prompts, reward, schema, tracking
-from graft_exp import step_record as record
+from graft_exp import methods, prompts, reward, schema, step_record, tracking
 from graft_exp.algorithms import dynamic_sampling_batch_full, grpo_advantages
 from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
@@ -120,7 +119,19 @@ class Member:
             self.run.log_metrics({k: v for k, v in metrics.items() if not math.isnan(v)}, step)
 
 
-# ---------------------------------------------------------------------------------------- the step
+@dataclass
+class Exchanged:
+    """What a step's exchange hands its update and its record."""
+
+    batches: dict[str, ReceiverBatch]     # each receiver's rows: its own groups and the peer groups it received
+    sources: dict[str, Rollouts | None]   # the rollouts each receiver's peer rows come from (None: no peer rows)
+    ratios: dict[str, float]              # each receiver's capability ratio to its peer (1.0: nothing tracked)
+    transfers: dict                       # (source, receiver) -> the mask of the prompts transferred
+    scored: dict[str, Scored]             # what each receiver's scorer computed (the update's count, the log)
+    metrics: dict[str, float]             # the job's exchange metrics
+
+
+# ---------------------------------------------------------------------------------------- the driver
 class Driver:
     """One job (pair x method x seed) on one backend."""
 
@@ -216,49 +227,85 @@ class Driver:
         source.rewards, source.advantages = self.scored(own.problems, source.responses)
         return source
 
+    # -------------------------------------------------------------------- the step (Alg. 1)
     def co_train_step(self, step: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         """Alg. 1, one training step of every method: (each model's metrics, the job's metrics)."""
-        method, roles, timer = self.method, list(self.members), Timer(self.members)
+        method, timer = self.method, Timer(self.members)
         started = time.perf_counter()
-        self.work = dict.fromkeys(roles, 0.0)   # this step's counted FLOPs per model
-        # 1. Sample: n responses per prompt from each model on the same prompts (DAPO: each refills its
-        #    own batch), binary rewards, GRPO advantages (eq. 1).
+        self.work = dict.fromkeys(self.members, 0.0)   # this step's counted FLOPs per model
+        # The shared prompt batch; none where each model draws its own (``method.sampling``: DAPO refills its batch).
         shared = None if method.sampling.own_prompts else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
+        own = self.sample(step, shared, timer)
+        exchanged = self.exchange(step, own, timer)
+        orders, counts = self.update(step, own, exchanged, timer)
+        return self.record(step, own, exchanged, orders, counts, timer, started)
 
-        def sample(role):
+    def sample(self, step: int, shared: list | None, timer: Timer) -> dict[str, Sampled]:
+        """Alg. 1 "Sample n responses": n responses per prompt from each model on the ``shared`` prompts (DAPO,
+        without them: each model refills its own batch), binary rewards, GRPO advantages (eq. 1)."""
+        def draw(role):
             with timer(role):
                 return self.refilled_rollout(role, step) if shared is None else self.rollout(role, shared, step)
-        own = self.each(sample)
-        # 2. Exchange (methods/exchange.py): which prompts (eq. 3), the source's whole groups scored by the receiver's
-        #    old policy (eq. 8), gated weights (eq. 9), each receiver's rows.
+        return self.each(draw)
+
+    def exchange(self, step: int, own: dict[str, Sampled], timer: Timer) -> Exchanged:
+        """Alg. 1 "Select complementary groups" and "Replace selected groups" (``methods.exchange.plan_step``): which
+        prompts (eq. 3), the source's whole groups scored by the receiver's old policy (eq. 8), gated weights
+        (eq. 9), each receiver's rows. The driver adds what only the job holds: the replayed log's rollouts of this
+        step (stored replay) and the capability ratios of what the peer loss tracks across steps (HACPO's positive
+        rates); and it counts the scoring's and the coming update's work."""
+        method, roles = self.method, list(self.members)
         scored = {role: Scored() for role in roles}   # what each receiver's scorer computed, for the count and log
         scorers = {role: self.counted(role, self.backend.scorer(role, own[role]), own[role], scored[role])
                    for role in roles}
         with timer(*roles):
-            batches, sources, ratios, transfers, job_metrics = self.plan_receivers(step, own, scorers)
+            rollouts = {role: s.rollouts for role, s in own.items()}
+            ratios = method.peer_loss.capability_ratios({role: m.tracked for role, m in self.members.items()},
+                                                        rollouts, {role: peers(self.cfg.pair, role)[0] for role in own})
+            replayed = {role: self.replayed_source(role, step, sampled) for role, sampled in own.items()
+                        if self.members[role].replayed is not None}
+            batches, sources, transfers = plan_step(method, rollouts, scorers,
+                                                    generator(self.cfg.seed, step, "exchange"),
+                                                    replayed=replayed, capability_ratios=ratios)
+            batches = {role: self.cut_copies(role, batch, sources[role]) for role, batch in batches.items()}
+            exchanged = {schema.exchange_metric(s, r): float(mask.sum())
+                         for (s, r), mask in transfers.items() if s != REPLAYED}
         for role in roles:
             self.work[role] += self.update_flops(role, batches[role], own[role], sources[role], scored[role])
+        return Exchanged(batches, sources, ratios, transfers, scored, exchanged)
 
-        # 3. Update each receiver: one optimizer step per minibatch, in the method's order (peer groups last),
-        #    on the method's loss (eq. 10 for GRAFT; methods/objective.py).
-        orders = {}
+    def update(self, step: int, own: dict[str, Sampled], exchanged: Exchanged,
+               timer: Timer) -> tuple[dict[str, list[list[int]]], dict[str, dict[str, float]]]:
+        """Alg. 1 "Optimize": each receiver's batch in minibatches, in the method's order (peer groups last), one
+        optimizer step each on the method's loss (eq. 10 for GRAFT; methods/objective.py). Returns (each receiver's
+        minibatches, its update's counts)."""
+        method, orders = self.method, {}
 
-        def update(role):
+        def optimize(role):
             with timer(role):
-                orders[role] = batches[role].minibatches(method, method.minibatch_prompts(self.cfg.train),
-                                                         generator(self.cfg.seed, step, role, "order"))
-                return self.backend.update(role, batches[role], orders[role], own[role], sources[role], ratios[role])
-        counts = self.each(update)
-        # 4. Record: per-model metrics, the trajectory log, GPU-hours and counted FLOPs; then (not charged) the
-        #    transfer log, with the receivers' successes after the update where the probe is on.
-        metrics = {role: record.model_step(self.root, role, step, own[role], batches[role], counts[role],
-                                           self.peer_rollouts(role, own, sources[role]), method.loss,
-                                           bool(method.co_train)) for role in roles}
-        job_metrics.update(self.charge(timer.seconds, time.perf_counter() - started, metrics))
-        if transfers:
+                batch = exchanged.batches[role]
+                orders[role] = batch.minibatches(method, method.minibatch_prompts(self.cfg.train),
+                                                 generator(self.cfg.seed, step, role, "order"))
+                return self.backend.update(role, batch, orders[role], own[role], exchanged.sources[role],
+                                           exchanged.ratios[role])
+        counts = self.each(optimize)
+        return orders, counts
+
+    def record(self, step: int, own: dict[str, Sampled], exchanged: Exchanged, orders: dict[str, list[list[int]]],
+               counts: dict[str, dict[str, float]], timer: Timer,
+               started: float) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        """Per-model metrics and the trajectory log (``step_record``), the step's GPU-hours and counted FLOPs; then,
+        not charged, the transfer log, with the receivers' successes after the update where the probe is on.
+        Returns (each model's metrics, the job's)."""
+        method, batches, sources = self.method, exchanged.batches, exchanged.sources
+        metrics = {role: step_record.model_step(self.root, role, step, own[role], batches[role], counts[role],
+                                                self.peer_rollouts(role, own, sources[role]), method.loss,
+                                                bool(method.co_train)) for role in self.members}
+        job_metrics = {**exchanged.metrics, **self.charge(timer.seconds, time.perf_counter() - started, metrics)}
+        if exchanged.transfers:
             probe = self.probe if self.cfg.train.probe_transfers else None
-            for role, rows in record.transfer_log(self.root, step, own, batches, orders, transfers, sources, scored,
-                                                  probe).items():
+            for role, rows in step_record.transfer_log(self.root, step, own, batches, orders, exchanged.transfers,
+                                                       sources, exchanged.scored, probe).items():
                 metrics[role].update(transfer_metrics(rows))
         return metrics, job_metrics
 
@@ -292,21 +339,6 @@ class Driver:
         if self.method.loss.needs_reference_model:
             flops += sum(shape.forward(t) for t in rows)
         return flops
-
-    def plan_receivers(self, step: int, own: dict[str, Sampled], scorers: dict[str, Scorer]):
-        """Each receiver's batch (``exchange.plan_step``), given what only the job holds: the replayed log's
-        rollouts of this step (stored replay) and the capability ratios of what the peer loss tracks across steps
-        (HACPO's positive rates). Returns (batches, sources, capability ratios, the job's exchange metrics)."""
-        method, rollouts = self.method, {role: s.rollouts for role, s in own.items()}
-        ratios = method.peer_loss.capability_ratios({role: m.tracked for role, m in self.members.items()}, rollouts,
-                                                    {role: peers(self.cfg.pair, role)[0] for role in rollouts})
-        replayed = {role: self.replayed_source(role, step, sampled) for role, sampled in own.items()
-                    if self.members[role].replayed is not None}
-        batches, sources, transfers = plan_step(method, rollouts, scorers, generator(self.cfg.seed, step, "exchange"),
-                                                replayed=replayed, capability_ratios=ratios)
-        batches = {role: self.cut_copies(role, batch, sources[role]) for role, batch in batches.items()}
-        exchanged = {schema.exchange_metric(s, r): float(mask.sum()) for (s, r), mask in transfers.items() if s != REPLAYED}
-        return batches, sources, ratios, transfers, exchanged
 
     def cut_copies(self, role: str, batch: ReceiverBatch, source: Rollouts | None) -> ReceiverBatch:
         """``batch`` as the method treats peer copies longer in the receiver's tokens than its response limit
@@ -436,6 +468,67 @@ class Driver:
         log.info("resumed from %s (step %d)", found[-1], state["step"])
 
     # -------------------------------------------------------------------- the job
+    def fit(self, stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
+        """Train to the last step (validating, checkpointing), evaluate the best checkpoints, close the runs.
+
+        ``stop_at_step`` leaves the job unfinished right after checkpointing that step, as a preempted job
+        would (resumption tests). Returns each model's mean final test scores."""
+        if not self.members:
+            log.info("every model run of this job is FINISHED already; nothing to train")
+            return {}
+        self.start()
+        if self.train(stop_at_step):
+            return {}
+        return self.finish()
+
+    def start(self) -> None:
+        """Before the first step: the newest checkpoint's state (a resumed job), the config, step 0's validation."""
+        if self.job.resumed:
+            self.load_checkpoint()
+        self.log_config()
+        if self.start_step == 1:
+            self.validate(0)
+
+    def train(self, stop_at_step: int | None) -> bool:
+        """The steps, each logged once, validated every ``eval.val_every`` steps and checkpointed every
+        ``train.save_every``, to the last step or the one that spends the budget. True when it stopped at
+        ``stop_at_step`` instead."""
+        every, save_every = int(self.cfg.eval.val_every), int(self.cfg.train.save_every)
+        with progress_bar(bool(self.cfg.backend.progress), self.total_steps, self.start_step - 1,
+                          list(self.members)) as bar:
+            for step in range(self.start_step, self.total_steps + 1):
+                if self.budget_spent():   # resumed from the checkpoint of the step that spent it
+                    break
+                metrics, job_metrics = self.co_train_step(step)
+                self.job.log_metrics(job_metrics, step)
+                for role, member in self.members.items():
+                    member.log(metrics[role], step)
+                # The step that spends the budget ends training as the last step would: validated (a
+                # candidate for the best checkpoint) and checkpointed.
+                last = step == self.total_steps or self.budget_spent()
+                if is_validation_step(step, every, self.total_steps) or last:
+                    self.validate(step)
+                bar.advance({role: m[schema.TRAIN + "reward_mean"] for role, m in metrics.items()})
+                if step % save_every == 0 or last or step == stop_at_step:
+                    started = time.perf_counter()
+                    self.save_checkpoint(step)   # timed: the warning before a time limit must cover it
+                    self.job.log_metrics({schema.CHECKPOINT_SECONDS: time.perf_counter() - started}, step)
+                if step == stop_at_step:
+                    return True
+                if last:
+                    self.job.set_tags({schema.LAST_STEP: step})
+                    break
+        return False
+
+    def finish(self) -> dict[str, dict[str, float]]:
+        """After the last step: each model's best checkpoint evaluated, its run closed (``finish_member``), and the
+        job's score where every model was evaluated. Returns each model's mean final test scores."""
+        results = self.each(self.final_evaluation)
+        scores = {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
+        if len(scores) == len(roles(self.cfg.pair)):   # a baseline job may have evaluated only some of its models
+            self.job.log_metrics({schema.SCORE: job_score([s[AVG] for s in scores.values()])}, 0)
+        return scores
+
     def final_evaluation(self, role: str) -> list[dict[str, float]]:
         """The best checkpoint's scores, R runs x k samples."""
         ev = self.cfg.eval
@@ -462,50 +555,6 @@ class Driver:
                                                 "transfers")
             member.run.finish("FINISHED")
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
-
-    def fit(self, stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
-        """Train to the last step (validating, checkpointing), evaluate the best checkpoints, close the runs.
-
-        ``stop_at_step`` leaves the job unfinished right after checkpointing that step, as a preempted job
-        would (resumption tests). Returns each model's mean final test scores."""
-        if not self.members:
-            log.info("every model run of this job is FINISHED already; nothing to train")
-            return {}
-        if self.job.resumed:
-            self.load_checkpoint()
-        self.log_config()
-        every, save_every = int(self.cfg.eval.val_every), int(self.cfg.train.save_every)
-        if self.start_step == 1:
-            self.validate(0)
-        with progress_bar(bool(self.cfg.backend.progress), self.total_steps, self.start_step - 1,
-                          list(self.members)) as bar:
-            for step in range(self.start_step, self.total_steps + 1):
-                if self.budget_spent():   # resumed from the checkpoint of the step that spent it
-                    break
-                metrics, job_metrics = self.co_train_step(step)
-                self.job.log_metrics(job_metrics, step)
-                for role, member in self.members.items():
-                    member.log(metrics[role], step)
-                # The step that spends the budget ends training as the last step would: validated (a
-                # candidate for the best checkpoint) and checkpointed.
-                last = step == self.total_steps or self.budget_spent()
-                if is_validation_step(step, every, self.total_steps) or last:
-                    self.validate(step)
-                bar.advance({role: m[schema.TRAIN + "reward_mean"] for role, m in metrics.items()})
-                if step % save_every == 0 or last or step == stop_at_step:
-                    started = time.perf_counter()
-                    self.save_checkpoint(step)   # timed: the warning before a time limit must cover it
-                    self.job.log_metrics({schema.CHECKPOINT_SECONDS: time.perf_counter() - started}, step)
-                if step == stop_at_step:
-                    return {}
-                if last:
-                    self.job.set_tags({schema.LAST_STEP: step})
-                    break
-        results = self.each(self.final_evaluation)
-        scores = {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
-        if len(scores) == len(roles(self.cfg.pair)):   # a baseline job may have evaluated only some of its models
-            self.job.log_metrics({schema.SCORE: job_score([s[AVG] for s in scores.values()])}, 0)
-        return scores
 
     def budget_spent(self) -> bool:
         """Whether the job's cost in its budget's charge (``cost/gpu_hours`` or ``cost/flops``) reached it."""

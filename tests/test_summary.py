@@ -11,7 +11,7 @@ import re
 import pytest
 
 from analysis.synthetic import JobSpec, ModelSpec, write_jobs
-from graft_exp.launching import summary
+from graft_exp.launching import status, summary
 
 
 @pytest.fixture
@@ -51,3 +51,15 @@ def test_a_multiruns_table_lists_every_job_and_says_which_are_missing(uri, capsy
     assert lines[0] == "│ #0 method=graft │ finished │ A smollm3-3b-base │ 37.5 │ 2 │ 0.7500 │ 1.2 │"
     assert lines[1] == "│ │ │ B qwen3-1.7b-base │ 32.5 │ 1 │ 0.5000 │ │"
     assert lines[2] == "│ #1 method=sgt │ missing │ - │ - │ - │ - │ - │"
+
+
+def test_a_sweeps_results_from_its_snapshots_run_ids_are_the_lookup_by_key(uri, capsys, monkeypatch):
+    """A sweep hands its last snapshot's run ids (``Snapshot.run_ids``, the newest run of each key) to the summary:
+    the tables are the ones a lookup of every key prints, and no key is looked up."""
+    jobs = [("#0 method=graft", "main-graft-pair1-0"), ("#1 method=sgt", "no-such-key")]
+    summary.print_jobs(uri, jobs, "sweep: results")
+    by_key = capsys.readouterr().out
+    run_ids = {key: row["run_id"] for key, row in status.newest_by_key(status.fetch_runs(uri)).items()}
+    monkeypatch.setattr(summary.tracking, "find_run", lambda *_: pytest.fail("a key looked up again"))
+    summary.print_jobs(uri, jobs, "sweep: results", run_ids=run_ids)
+    assert capsys.readouterr().out == by_key

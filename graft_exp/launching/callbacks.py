@@ -288,6 +288,28 @@ class FailureMonitor(threading.Thread):
 
 
 @dataclass(frozen=True)
+class Concurrency:
+    """How a cluster runs jobs side by side (``cluster.parallel``, ``cluster.exclusive``), one reading for the launch
+    plan of a multirun and for ``python -m graft_exp.sweep``, which starts multiruns."""
+
+    parallel: bool    # a multirun's jobs run at the same time
+    exclusive: bool   # a multirun's workers take this machine's cores, one job each (cluster=local)
+
+    @classmethod
+    def of(cls, cluster: DictConfig | None) -> Concurrency:
+        return cls(bool(cluster and cluster.parallel), bool(cluster and cluster.get("exclusive")))
+
+    @property
+    def multiruns_overlap(self) -> bool:
+        """Whether multiruns may run at the same time, each as if alone (an exclusive one's cores are counted)."""
+        return self.parallel and not self.exclusive
+
+    def sweep_cores(self) -> int | None:
+        """The cores an exclusive cluster's multiruns share, together one worker per core (None: not counted)."""
+        return scheduler.job_cores() if self.exclusive else None
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """What launching a multirun does, decided from its jobs and what the stores already hold (``plan``) before
     anything is launched; ``LaunchCallback`` applies it."""
@@ -333,7 +355,8 @@ def plan(jobs: list[PlannedJob], cluster: DictConfig, launcher: DictConfig, over
     if cluster.name == "slurm":
         plans, _ = check_plans(jobs, finished, launcher, overridden)
         request = slurm_request(plans, overridden)
-    parallel, one_at_a_time = bool(cluster.parallel), None
+    concurrency = Concurrency.of(cluster)
+    parallel, one_at_a_time = concurrency.parallel, None
     in_store = stored_logs_in_store(jobs)
     if parallel:
         one_at_a_time = shared_gpus(cluster.name, jobs)
@@ -341,7 +364,7 @@ def plan(jobs: list[PlannedJob], cluster: DictConfig, launcher: DictConfig, over
             one_at_a_time = "; ".join(order_needs(jobs, finished, in_store)) or None
         parallel = one_at_a_time is None
     cores = None
-    if parallel and cluster.get("exclusive"):
+    if parallel and concurrency.exclusive:
         cores = "1"   # the joblib workers share this machine's cores, one each
     elif parallel and cluster.name == "submitit_local":
         cores = str(max(1, scheduler.job_cores() // len(jobs)))   # all start at once: a share each

@@ -120,12 +120,17 @@ def jobs_table(results: list[JobResult], title: str) -> Table:
     return table
 
 
-def results_by_key(uri: str, jobs: list[tuple[str, str]]) -> list[JobResult]:
-    """The newest job run of each ``(label, run_key)`` in the store at ``uri`` (any graft/ experiment)."""
+def results_by_key(uri: str, jobs: list[tuple[str, str]], run_ids: dict[str, str] | None = None) -> list[JobResult]:
+    """The newest job run of each ``(label, run_key)`` in the store at ``uri`` (any graft/ experiment): looked up by
+    its key, or read by its id from ``run_ids`` (run key -> the id of its newest run) where the caller found them
+    already (a sweep's last snapshot; a key it lacks has no run)."""
     client = MlflowClient(uri)
     results = []
     for label, key in jobs:
-        run = tracking.find_run(client, key)
+        if run_ids is None:
+            run = tracking.find_run(client, key)
+        else:
+            run = client.get_run(run_ids[key]) if key in run_ids else None
         results.append(job_result(client, run, label) if run is not None else JobResult(label, "missing", None, []))
     return results
 
@@ -138,11 +143,13 @@ def print_job(uri: str, run_id: str, label: str) -> None:
                   f"{'-' if result.flops is None else f'{result.flops:.3g}'} FLOPs counted (cost/flops)")
 
 
-def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str | None = None) -> bool:
+def print_jobs(uri: str, jobs: list[tuple[str, str]], title: str, reference: str | None = None,
+               run_ids: dict[str, str] | None = None) -> bool:
     """The jobs table, then the comparison of their methods against ``reference`` (``compare_to``) wherever
     methods share seeds (``comparison``). False when the comparison could not be made: said in one line, with
-    the command that makes it from the store (the jobs and their runs are recorded whatever it met)."""
-    results = results_by_key(uri, jobs)
+    the command that makes it from the store (the jobs and their runs are recorded whatever it met).
+    ``run_ids``: each key's newest run id where the caller has them (``results_by_key``)."""
+    results = results_by_key(uri, jobs, run_ids)
     console.print(jobs_table(results, title))
     try:
         shown = comparison.tables(comparison.compare(results, reference))

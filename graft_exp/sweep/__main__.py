@@ -43,13 +43,13 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
-from graft_exp import resources, scheduler, tracking
+from graft_exp import resources, tracking
 from graft_exp.config import ConfigError, folder_problem, validate_job
-from graft_exp.sweep.decide import DecideError, settings
-from graft_exp.sweep.launch import run
-from graft_exp.sweep.planning import SweepError, load, plan
+from graft_exp.sweep.decide import DecideError, Settings, settings
+from graft_exp.sweep.launch import launcher
+from graft_exp.sweep.planning import Sweep, SweepError, load, plan
 from graft_exp.sweep.state import console, report, snapshot
-from graft_exp.sweep.until import check_resumed_rule, file_seeds, launcher, until_decided
+from graft_exp.sweep.until import check_resumed_rule, file_seeds, until_decided
 
 
 def invalid_jobs(sweep) -> list[str]:
@@ -64,7 +64,7 @@ def invalid_jobs(sweep) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m graft_exp.sweep", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", type=Path, help="a sweep file, e.g. sweeps/main.yaml")
@@ -83,31 +83,46 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the jobs whose swept KEY is one of these values (and the jobs they need), e.g. "
                              "--only pair=pair1 --only method=graft,grpo_n8; repeatable")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (cluster=slurm ...)")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def arguments_problem(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot go together (printed after "error:"), or None."""
     problem = folder_problem(args.out)
     if problem:
-        console.print(f"[red]error:[/] --out {escape(str(args.out))}: {escape(problem)}; give a folder for the "
-                      "launches' Hydra folders", soft_wrap=True)
-        return 2
+        return f"--out {escape(str(args.out))}: {escape(problem)}; give a folder for the launches' Hydra folders"
     if args.only and args.until_decided:
-        console.print("[red]error:[/] --until-decided runs the file's `decide:` comparisons as a whole; drop --only")
-        return 2
+        return "--until-decided runs the file's `decide:` comparisons as a whole; drop --only"
     if args.max_seeds is not None and not args.until_decided:
-        console.print("[red]error:[/] --max-seeds caps --until-decided; add --until-decided or drop --max-seeds")
+        return "--max-seeds caps --until-decided; add --until-decided or drop --max-seeds"
+    return None
+
+
+def planned(args: argparse.Namespace) -> tuple[Sweep, dict | None, Settings | None]:
+    """The sweep file's jobs, and with ``--until-decided`` its spec and ``decide:`` settings (else None, None)."""
+    spec = decide = None
+    if args.until_decided:
+        spec = load(args.sweep)
+        decide = settings(spec, file_seeds(spec), args.max_seeds, args.sweep)
+    sweep = plan(args.sweep, args.overrides, only=args.only)
+    if decide is not None:
+        listed = {str(sj.job.cfg.method.name) for sj in sweep.jobs}
+        absent = [m for m in decide.methods if m not in listed]
+        if absent:
+            raise DecideError(f"{args.sweep}: decide.comparisons names {', '.join(absent)}, which no grid of "
+                              f"`runs:` trains; add it to a grid or remove the comparison")
+        check_resumed_rule(sweep, decide)
+    return sweep, spec, decide
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_intermixed_args(argv)
+    problem = arguments_problem(args)
+    if problem:
+        console.print(f"[red]error:[/] {problem}", soft_wrap=True)
         return 2
     try:
-        decide = None
-        if args.until_decided:
-            spec = load(args.sweep)
-            decide = settings(spec, file_seeds(spec), args.max_seeds, args.sweep)
-        sweep = plan(args.sweep, args.overrides, only=args.only)
-        if decide is not None:
-            listed = {str(sj.job.cfg.method.name) for sj in sweep.jobs}
-            absent = [m for m in decide.methods if m not in listed]
-            if absent:
-                raise DecideError(f"{args.sweep}: decide.comparisons names {', '.join(absent)}, which no grid of "
-                                  f"`runs:` trains; add it to a grid or remove the comparison")
-            check_resumed_rule(sweep, decide)
+        sweep, spec, decide = planned(args)
     except (SweepError, DecideError) as err:
         console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         return 2
@@ -119,21 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         console.print("[red]invalid configuration, nothing launched:[/]\n" + "\n".join(problems), soft_wrap=True)
         return 2
-    manifest = args.out / sweep.study / "launches.jsonl"
     if args.dry_run or args.status:
+        manifest = args.out / sweep.study / "launches.jsonl"
         report(sweep, snapshot(sweep, manifest, scheduler_too=args.status), with_logs=args.status)
         return 0
-    cluster = sweep.jobs[0].job.cfg.cluster if sweep.jobs else None
-    poll = args.poll if args.poll is not None else float(cluster.poll_s if cluster else 30)
+    run = launcher(sweep.jobs[0].job.cfg.cluster if sweep.jobs else None, args.overrides, args.out, args.poll)
     try:
-        # An exclusive cluster's multiruns share this machine's cores: together, one worker per core.
-        exclusive = bool(cluster and cluster.get("exclusive"))
-        overlap = bool(cluster and cluster.parallel and not exclusive)
-        cores = scheduler.job_cores() if exclusive else None
-        if decide is not None:
-            return until_decided(args.sweep, spec, decide, args.overrides,
-                                 launcher(args.overrides, args.out, overlap, poll, cores))
-        return run(sweep, args.overrides, args.out, parallel=overlap, poll_s=poll, cores=cores)
+        return until_decided(args.sweep, spec, decide, args.overrides, run) if decide is not None else run(sweep)
     except tracking.TrackingError as err:
         console.print(f"[red]nothing launched:[/] {err}")
         return 2

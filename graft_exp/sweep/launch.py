@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from graft_exp import schema, tracking
 from graft_exp.launching import status, summary
-from graft_exp.launching.callbacks import SWEEP_ENV
+from graft_exp.launching.callbacks import SWEEP_ENV, Concurrency
 from graft_exp.launching.jobs import CONF_DIR, Job
 from graft_exp.sweep.planning import Sweep, SweepJob
-from graft_exp.sweep.state import STYLE, console, counts, report, snapshot
+from graft_exp.sweep.state import STYLE, Snapshot, console, counts, report, snapshot
 
 
 def models_override(job: Job) -> str:
@@ -144,6 +144,15 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
     # The store exists before anything (this loop included) reads it: concurrent first-time
     # schema creation by two processes crashes one of them.
     tracking.ensure_store(sweep.uri, schema.experiment_name(sweep.study))
+    attempted = launch_until_ended(sweep, overrides, out, manifest, parallel, poll_s, cores)
+    return final_report(sweep, snapshot(sweep, manifest, scheduler_too=True), attempted)
+
+
+def launch_until_ended(sweep: Sweep, overrides: list[str], out: Path, manifest: Path, parallel: bool,
+                       poll_s: float, cores: int | None) -> set[str]:
+    """``run``'s loop: every ``poll_s`` seconds the sweep's state, the launched jobs' changes printed, the
+    multiruns whose jobs all ended stopped, the ready jobs launched where there is room; until nothing is
+    running that the sweep launched and nothing left can start. Returns the run keys it launched."""
     attempted: set[str] = set()
     seen: dict[str, str] = {}
     launches: list[Launch] = []
@@ -151,14 +160,7 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
     ended = (status.DONE, status.FAILED, status.CRASHED, status.HELD)
     while True:
         snap = snapshot(sweep, manifest, scheduler_too=True)
-        for sj in sweep.jobs:
-            state, log = snap.states[sj.key]
-            if sj.key in attempted and seen.get(sj.key) != state:
-                console.print(f"[{STYLE[state]}]{state}[/] #{sj.index} {sj.job.label}" +
-                              (f": log {log}" if state in (status.FAILED, status.CRASHED) else "") +
-                              (f": {log}" if state == status.HELD else ""),
-                              soft_wrap=True)
-            seen[sj.key] = state
+        print_changes(sweep, snap, attempted, seen)
         for la in launches:
             if parallel and la.alive() and all(snap.states[k][0] in ended for k in la.keys):
                 la.proc.terminate()   # every job ended: only the launcher's own waiting is left
@@ -175,15 +177,40 @@ def run(sweep: Sweep, overrides: list[str], out: Path, parallel: bool, poll_s: f
             continue
         in_flight = [sj for sj in sweep.jobs if snap.state(sj) in (status.RUNNING, status.PENDING)]
         if not launches and not (todo and in_flight) and not any(sj.key in attempted for sj in in_flight):
-            break
+            return attempted
         time.sleep(poll_s)
-    snap = snapshot(sweep, manifest, scheduler_too=True)
+
+
+def print_changes(sweep: Sweep, snap: Snapshot, attempted: set[str], seen: dict[str, str]) -> None:
+    """Each launched job's state where it changed since ``seen`` (updated), with its log once it failed."""
+    for sj in sweep.jobs:
+        state, log = snap.states[sj.key]
+        if sj.key in attempted and seen.get(sj.key) != state:
+            console.print(f"[{STYLE[state]}]{state}[/] #{sj.index} {sj.job.label}" +
+                          (f": log {log}" if state in (status.FAILED, status.CRASHED) else "") +
+                          (f": {log}" if state == status.HELD else ""),
+                          soft_wrap=True)
+        seen[sj.key] = state
+
+
+def final_report(sweep: Sweep, snap: Snapshot, attempted: set[str]) -> int:
+    """The status table with the failed jobs' logs, the results with their comparison (``summary``: each job's
+    run as this last snapshot found it), the jobs never launched. 0 when every job finished and was compared."""
     report(sweep, snap, with_logs=True)
     compared = summary.print_jobs(sweep.uri, [(f"#{sj.index} {sj.job.label}", sj.key) for sj in sweep.jobs],
                                   f"{sweep.path} - study {sweep.study}: results",
-                                  reference=sweep.jobs[0].job.cfg.compare_to if sweep.jobs else None)
+                                  reference=sweep.jobs[0].job.cfg.compare_to if sweep.jobs else None,
+                                  run_ids=snap.run_ids)
     never = [sj for sj in sweep.jobs if snap.state(sj) in status.TO_SUBMIT and sj.key not in attempted]
     for sj in never:
         console.print(f"  [yellow]not launched[/] #{sj.index} {sj.job.label}: what it needs did not finish")
     return 0 if compared and counts(sweep, snap)[status.DONE] == len(sweep.jobs) else 1
 
+
+def launcher(cluster: DictConfig | None, overrides: list[str], out: Path, poll_s: float | None):
+    """``run`` as the jobs' ``cluster`` launches them (``Concurrency``), for a planned sweep or each round of
+    ``until_decided``; ``poll_s`` None: the cluster's ``poll_s``."""
+    concurrency = Concurrency.of(cluster)
+    poll = poll_s if poll_s is not None else float(cluster.poll_s if cluster else 30)
+    cores = concurrency.sweep_cores()
+    return lambda sweep: run(sweep, overrides, out, parallel=concurrency.multiruns_overlap, poll_s=poll, cores=cores)

@@ -31,6 +31,7 @@ class Snapshot:
 
     states: dict[str, tuple[str, str | None]]     # run key -> (state, log)
     model_done: dict[str, bool]                   # model run key -> trained
+    run_ids: dict[str, str]                       # run key -> the id of its newest run (the keys that have one)
 
     def state(self, sj: SweepJob) -> str:
         return self.states[sj.key][0]
@@ -61,7 +62,8 @@ def snapshot(sweep: Sweep, manifest: Path, scheduler_too: bool) -> Snapshot:
             run = newest.get(key)
             # A model run is trained when FINISHED, or when the job run that owns it finished.
             model_done[key] = run is not None and "FINISHED" in (run["status"], run_status.get(run["parent"]))
-    return Snapshot(states, model_done)
+    run_ids = {sj.key: newest[sj.key]["run_id"] for sj in sweep.jobs if sj.key in newest}
+    return Snapshot(states, model_done, run_ids)
 
 
 def counts(sweep: Sweep, snap: Snapshot) -> dict[str, int]:

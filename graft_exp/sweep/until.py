@@ -21,7 +21,6 @@ from mlflow.tracking import MlflowClient
 from graft_exp import schema, tracking
 from graft_exp.launching import status
 from graft_exp.sweep.decide import DecideError, Decider, Settings
-from graft_exp.sweep.launch import run
 from graft_exp.sweep.planning import Sweep, plan
 from graft_exp.sweep.state import console
 
@@ -142,7 +141,3 @@ def until_decided(path: Path, spec: dict, s: Settings, overrides: list[str], run
     console.print(f"[green]decided[/] by decide.rule={s.rule} after {len(decider.rounds)} round(s); MLflow run {run_id}")
     return 0
 
-
-def launcher(overrides: list[str], out: Path, parallel: bool, poll_s: float, cores: int | None):
-    """``run_round`` for :func:`until_decided`: the sweep's own launch loop."""
-    return lambda sweep: run(sweep, overrides, out, parallel=parallel, poll_s=poll_s, cores=cores)
