@@ -278,11 +278,32 @@ SOURCE_RULES.register("random", fixed(SourceRule(_no_preference)))
 PEER_LOSSES = Registry("method.peer_loss")
 PEER_LOSSES.register("none", fixed(PeerLoss(transfers=False)))
 PEER_LOSSES.register("graft", fixed(PeerLoss()))                                       # eq. (10)
-PEER_LOSSES.register("luffy", fixed(PeerLoss(objective="luffy", gated=False)))        # App. B
-PEER_LOSSES.register("nll", fixed(NllPeerLoss(objective="sgt")))                      # SGT, App. B
-PEER_LOSSES.register("hacpo", fixed(HacpoPeerLoss(objective="hacpo", gated=False,
-                                                  two_models_only="its capability-aware advantages pool exactly "
-                                                                  "two models' groups")))   # App. B
+
+
+@PEER_LOSSES.register("luffy")
+def _luffy(method):
+    """LUFFY's update (App. B): peer tokens shaped by f(p) = p / (p + ``method.luffy_gamma``), ungated."""
+    return PeerLoss(objective="luffy", gated=False, settings={"luffy_gamma": float(method.luffy_gamma)})
+
+
+@PEER_LOSSES.register("nll")
+def _nll(method):
+    """SGT (App. B): GRPO plus ``method.sgt_lambda`` x the NLL of one drawn correct peer response."""
+    return NllPeerLoss(objective="sgt", settings={"sgt_lambda": float(method.sgt_lambda)})
+
+
+@PEER_LOSSES.register("hacpo")
+def _hacpo(method):
+    """HACPO (App. B) with its released clips (``method.hacpo``): the peer clamp's lower bound starts at
+    ``peer_clip_init`` = 1 - delta and rises by ``peer_clip_step`` per minibatch."""
+    hacpo = method.hacpo
+    return HacpoPeerLoss(objective="hacpo", gated=False,
+                         two_models_only="its capability-aware advantages pool exactly two models' groups",
+                         settings={"self_clip_low": float(hacpo.self_clip_low),
+                                   "self_clip_high": float(hacpo.self_clip_high),
+                                   "cross_clip_delta": 1.0 - float(hacpo.peer_clip_init),
+                                   "cross_clip_step": float(hacpo.peer_clip_step)})
+
 
 #: Every table of components, in the order ``resolve`` builds them.
 #: ``cut(batch, copies) -> batch``: what a peer copy longer than the receiver's response limit, in the receiver's
