@@ -305,6 +305,13 @@ def _hacpo(method):
                                    "cross_clip_step": float(hacpo.peer_clip_step)})
 
 
+#: GRAFT's receiver with the peer term scaled (the worked example of docs/adding-a-method.md)
+@PEER_LOSSES.register("scaled", params={"peer_scale": RuleParam(float, 0.0, 1.0)})
+def _scaled(method):
+    """eq. (10) with each peer row's weight w(o) scaled by ``method.params.peer_scale``."""
+    return PeerLoss(objective="peer_scaled", settings={"peer_scale": float(method.params.peer_scale)})
+
+
 #: Every table of components, in the order ``resolve`` builds them.
 #: ``cut(batch, copies) -> batch``: what a peer copy longer than the receiver's response limit, in the receiver's
 #: tokens, is worth (``copies``: the (prompt, sample) of such copies in ``batch``). Cut at the limit, a copy loses
@@ -361,6 +368,7 @@ declare("hacpo_which", "HACPO + GRAFT which", "hacpo")
 declare("sgt_which", "SGT + GRAFT which", "sgt")
 declare("graft_luffy", "GRAFT + LUFFY update", "graft")
 declare("graft_top_half", "GRAFT, peers' top half", "graft")
+declare("graft_peer_half", "GRAFT, peer term halved", "graft")
 
 
 def declaration(name: str) -> Declaration:

@@ -177,6 +177,19 @@ OBJECTIVES.register("hacpo", Objective(_hacpo, frozenset({"source_mean_log_prob"
                                        sequence_level=True))
 
 
+def _peer_scaled(spec, log_prob, mask, advantages, weights, is_peer, *, old_log_prob, denominator=None):
+    """eq. (10) with each peer row's weight w(o) scaled by lambda = ``peer_scale`` in [0, 1] (1: GRAFT's loss). The
+    token mean keeps eq. (10)'s denominator, the tokens of rows with w(o) > 0, so lambda only weighs the peer term
+    against the own rows' (at lambda = 0 the peer tokens still count, as in verl's minibatch denominator)."""
+    if denominator is None:   # a whole minibatch (the local backend): eq. (10)'s present tokens, before scaling
+        denominator = max(int((mask.bool() & (weights > 0).unsqueeze(1)).sum()), 1)
+    scaled = torch.where(is_peer, weights * spec.settings["peer_scale"], weights)
+    return _graft(spec, log_prob, mask, advantages, scaled, is_peer, old_log_prob=old_log_prob, denominator=denominator)
+
+
+OBJECTIVES.register("peer_scaled", Objective(_peer_scaled, frozenset({"old_log_prob", "denominator"})))
+
+
 # ------------------------------------------------------------------------- per-row columns of the exchange
 def generation_mean_log_prob(rows: list[Row], own: Rollouts, source: Rollouts | None,
                              capability_ratio: float) -> torch.Tensor:
