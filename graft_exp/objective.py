@@ -130,7 +130,8 @@ _graft = _clipped(graft_policy_loss, lambda spec: {})
 OBJECTIVES.register("graft", Objective(_graft, frozenset({"old_log_prob", "denominator"})))
 OBJECTIVES.register("sequence_ratio", Objective(_clipped(sequence_ratio_policy_loss, lambda spec: {}),
                                                 frozenset({"old_log_prob", "denominator"})))
-OBJECTIVES.register("luffy", Objective(_clipped(luffy_policy_loss, lambda spec: {"gamma": spec.settings["luffy_gamma"]}),
+OBJECTIVES.register("luffy", Objective(_clipped(luffy_policy_loss,
+                                                lambda spec: {"gamma": spec.settings["luffy_gamma"]}),
                                        frozenset({"old_log_prob", "denominator"})))
 
 

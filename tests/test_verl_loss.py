@@ -159,7 +159,8 @@ def test_hacpo_sequence_loss_through_verl_path(actor_config):
     data.batch[vl.row_column("capability_ratio")] = torch.full((ROWS,), 1.5)
     present = data.batch[vl.WEIGHT] > 0
     data.batch[vl.DENOMINATOR] = torch.full((ROWS,), float(present.sum()))
-    spec = LossSpec(kind="hacpo", settings={"self_clip_low": HACPO_SELF_CLIP_LOW, "self_clip_high": HACPO_SELF_CLIP_HIGH,
+    spec = LossSpec(kind="hacpo", settings={"self_clip_low": HACPO_SELF_CLIP_LOW,
+                                            "self_clip_high": HACPO_SELF_CLIP_HIGH,
                                             "cross_clip_delta": HACPO_CROSS_CLIP_DELTA,
                                             "cross_clip_step": HACPO_CROSS_CLIP_STEP})
     theta = torch.tensor(0.01, requires_grad=True)
