@@ -40,6 +40,7 @@ def row_column(name: str) -> str:
     """The batch column carrying the loss's per-row input ``name`` (an ``objective.ROW_COLUMNS`` key)."""
     return f"graft_{name}"
 
+
 def _columns(data: TensorDict, names: list[str]) -> TensorDict:
     present = [n for n in names if n in data.keys()]  # noqa: SIM118 (TensorDict has no __contains__ for keys)
     return data.select(*present).to_padded_tensor()
