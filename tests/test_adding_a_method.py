@@ -1,7 +1,7 @@
-"""docs/adding-a-method.md's worked example, ``graft_top_half``, is the one the project ships, word for word:
-each code block of the page stands in the file its first line names; the rule checked by hand, the parameter
-checks' messages as the page quotes them, and the method trained for two steps on the tiny pair through the local
-backend."""
+"""docs/adding-a-method.md's worked examples, ``graft_top_half`` (a selection) and ``graft_peer_half`` (a peer
+loss), are the ones the project ships, word for word: each code block of the page stands in the file its first line
+names; the rule and the loss checked by hand, the parameter checks' messages as the page quotes them, and each
+method trained for two steps on the tiny pair through the local backend."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from graft_exp import driver, methods, tracking
 from graft_exp.algorithms import balanced_exchange
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
+from graft_exp.methods.objective import receiver_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "adding-a-method.md"
@@ -26,7 +27,7 @@ def test_the_page_s_code_is_the_shipped_code():
     """A block opens with a comment naming its file (``# graft_exp/methods/__init__.py: ...``); each of its code lines
     stands in that file, in the block's order."""
     blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", PAGE.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 3
+    assert len(blocks) == 6
     for block in blocks:
         header, *code = block.splitlines()
         path = header.removeprefix("# ").split(":")[0].split(" (")[0]
@@ -65,12 +66,40 @@ def test_the_worked_example_s_parameter_checks_say_what_the_page_quotes(top_half
             validate(compose_cfg(*top_half, store, f"method.params.top_fraction={value}"))
 
 
+def test_the_peer_loss_example_scales_the_peer_rows_weights(compose_cfg):
+    """By hand, at ratio 1 (no clipping) the loss is -(sum of w A |o| over rows) / (tokens of rows with w > 0). An own
+    row (A = 1, 2 tokens), a peer row (w = 0.8, A = 1, 1 token) and a peer row of A = -0.5 and 2 tokens, w = 0.5;
+    lambda = 0.5: -(2 + 0.5 * 0.8 * 1 - 0.5 * 0.5 * 0.5 * 2) / 5 = -0.43, and at lambda = 0 the peer tokens still
+    count: -2 / 5. At lambda = 1 it is GRAFT's loss."""
+    log_prob, mask = torch.full((3, 2), -0.7), torch.tensor([[1, 1], [1, 0], [1, 1]])
+    advantages, weights, is_peer = torch.tensor([1.0, 1.0, -0.5]), torch.tensor([1.0, 0.8, 0.5]), torch.tensor(
+        [False, True, True])
+
+    def loss(*overrides):
+        spec = methods.resolve(compose_cfg("method=graft_peer_half", *overrides).method).loss
+        return float(receiver_loss(spec, log_prob, mask, advantages, weights, is_peer, old_log_prob=log_prob)[0])
+    assert loss() == pytest.approx(-0.43)
+    assert loss("method.params.peer_scale=0") == pytest.approx(-0.4)
+    graft = methods.resolve(compose_cfg("method=graft").method).loss
+    assert loss("method.params.peer_scale=1") == float(
+        receiver_loss(graft, log_prob, mask, advantages, weights, is_peer, old_log_prob=log_prob)[0])
+
+
+def test_the_peer_loss_example_s_parameter_check_says_what_the_page_quotes(compose_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=r"method.params.peer_scale=1.5: method.peer_loss=scaled needs a number "
+                                          r"in \[0, 1\]"):
+        validate(compose_cfg("method=graft_peer_half", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                             "method.params.peer_scale=1.5"))
+
+
 @pytest.mark.slow
-def test_the_worked_example_trains_on_the_tiny_pair(top_half, compose_cfg, store_template, tmp_path):
+@pytest.mark.parametrize("method", ["graft_top_half", "graft_peer_half"])
+def test_the_worked_example_trains_on_the_tiny_pair(method, compose_cfg, store_template, tmp_path):
     shutil.copy(store_template, tmp_path / "mlflow.db")
-    cfg = compose_cfg(*top_half, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint_root={tmp_path}/ckpt",
-                      "train.batch_prompts=8", "train.minibatch_prompts=4", "train.max_steps=2", "eval.max_problems=2",
-                      "eval.runs=1", "eval.samples=1", "backend.progress=false")
+    cfg = compose_cfg(f"method={method}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                      f"checkpoint_root={tmp_path}/ckpt", "train.batch_prompts=8", "train.minibatch_prompts=4",
+                      "train.max_steps=2", "eval.max_problems=2", "eval.runs=1", "eval.samples=1",
+                      "backend.progress=false")
     validate(cfg)
     job = tracking.open_job(cfg)
     assert set(driver.fit(cfg, job, local.LocalBackend)) == {"A", "B"}

@@ -62,7 +62,7 @@ def test_components_answer_what_the_code_asks(compose_cfg):
     assert not methods.resolve(compose_cfg("method=hacpo", "method.hacpo.kl_coef=0").method).loss.needs_reference_model
     graft = methods.resolve(compose_cfg("method=graft").method)
     train = compose_cfg().train
-    assert not graft.loss.needs_reference_model and graft.loss.hacpo_kl_coef == 0
+    assert not graft.loss.needs_reference_model and graft.loss.kl_coef == 0
     assert graft.minibatch_prompts(train) == train.minibatch_prompts
     assert not graft.selection.one_direction_ok and not graft.replays_stored_log
     stored = methods.resolve(compose_cfg("method=graft_stored").method)
@@ -77,12 +77,12 @@ def test_hacpo_s_released_settings_reach_its_loss_spec():
     """Written once (graft_exp.hyperparameters); the resolved method's loss spec carries the config's settings
     (the peer clamp's delta as 1 - init, as the pure function's default), and the KL is the peer loss's."""
     spec = methods.resolve(OmegaConf.structured(MethodConfig(name="hacpo", peer_loss="hacpo"))).loss
-    assert (spec.hacpo_self_clip_low, spec.hacpo_self_clip_high, spec.hacpo_cross_clip_delta,
-            spec.hacpo_cross_clip_step, spec.hacpo_kl_coef) == (HACPO_SELF_CLIP_LOW, HACPO_SELF_CLIP_HIGH,
-                                                              HACPO_CROSS_CLIP_DELTA, HACPO_CROSS_CLIP_STEP,
-                                                              HACPO_KL_COEF)
+    assert spec.settings == {"self_clip_low": HACPO_SELF_CLIP_LOW, "self_clip_high": HACPO_SELF_CLIP_HIGH,
+                             "cross_clip_delta": HACPO_CROSS_CLIP_DELTA,
+                             "cross_clip_step": HACPO_CROSS_CLIP_STEP}
+    assert spec.kl_coef == HACPO_KL_COEF
     assert HacpoConfig().minibatch_prompts == HACPO_MINIBATCH_PROMPTS
-    assert LossSpec(kind="hacpo").hacpo_kl_coef == 0
+    assert LossSpec(kind="hacpo").kl_coef == 0
 
 
 def test_cost_families_are_in_the_cost_tables():

@@ -27,6 +27,7 @@ from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.methods.exchange import select_prompts
 from graft_exp.methods import resolve
+from graft_exp.methods.objective import row_column_values
 from graft_exp.prompts import end_of_turn_id
 from graft_exp.methods.receiver import PEER
 from graft_exp.rollouts import Rollouts
@@ -197,7 +198,8 @@ SCORES = torch.tensor([[0.9, 0.7, 1.3, 0.85, 0.78, 0.95, 0.5, 1.0]])
 
 
 def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
-    """Both models' rollouts of one step (A: char tokenizer, B: BPE) and B's receiver plan and scorer."""
+    """Both models' rollouts of one step (A: char tokenizer, B: BPE) and B's receiver plan and batch (with the
+    loss's per-row columns, at capability ratio 0.7)."""
     prompts, n = REWARDS_A.shape
     rows = {"A": _rollouts(char_tokenizer, prompts, n), "B": _rollouts(bpe_tokenizer, prompts, n)}
     a = _exchange_view(rows["A"], char_tokenizer, "a", REWARDS_A, scores)
@@ -211,7 +213,10 @@ def _step(method, char_tokenizer, bpe_tokenizer, scores=None):
     else:
         _, plan, (a_to_b, _) = plan_pair(method, a, b, scorers, gen, (1.0, 1.0))
     peer = scorers[1].score(plan.nll, a) if plan.nll else scorers[1].scored
-    return rows["B"], a, a_to_b, plan, vb.receiver_batch(rows["B"], n, peer, plan)
+
+    def columns(part):
+        return row_column_values(method.loss, part, b, a, 0.7)
+    return rows["B"], a, a_to_b, plan, vb.receiver_batch(rows["B"], n, peer, plan, columns)
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if not m.startswith("grpo")])
@@ -316,12 +321,11 @@ def test_peer_first_and_hacpo_groups(methods, char_tokenizer, bpe_tokenizer):
     hacpo = vb.minibatch_layout(batch, plan.minibatches(method, 5, None), dp_size=1, sequence_mean=True)
     assert [int(mb.batch[vl.IS_PEER].sum()) for mb in hacpo] == [0, 5 * 8]    # own groups, then peer groups
     assert float(hacpo[1].batch[vl.DENOMINATOR][0]) == 5 * 8                  # sequences, not tokens
-    vb.hacpo_columns(batch, _exchange_view(_rollouts(bpe_tokenizer, 5, 8), bpe_tokenizer, "b", REWARDS_B), source, 0.7)
     peer_row = int(torch.nonzero(batch.batch[vl.IS_PEER]).flatten()[0])
     q, i = (int(batch.non_tensor_batch[c][peer_row]) for c in (vb.PROMPT_INDEX, vb.RESPONSE_INDEX))
-    assert float(batch.batch[vl.SOURCE_MEAN_LOG_PROB][peer_row]) == pytest.approx(
+    assert float(batch.batch[vl.row_column("source_mean_log_prob")][peer_row]) == pytest.approx(
         float(source.logp_sum[q, i] / source.num_tokens[q, i]))
-    assert bool((batch.batch[vl.CAPABILITY_RATIO] == 0.7).all())
+    assert bool((batch.batch[vl.row_column("capability_ratio")] == 0.7).all())
 
 
 def test_peer_rows_need_the_scored_peer_batch(methods, char_tokenizer, bpe_tokenizer):

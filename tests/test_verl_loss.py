@@ -17,7 +17,15 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from graft_exp.algorithms import graft_policy_loss, hacpo_policy_loss, sgt_nll_loss
+from graft_exp.algorithms import (
+    HACPO_CROSS_CLIP_DELTA,
+    HACPO_CROSS_CLIP_STEP,
+    HACPO_SELF_CLIP_HIGH,
+    HACPO_SELF_CLIP_LOW,
+    graft_policy_loss,
+    hacpo_policy_loss,
+    sgt_nll_loss,
+)
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
 from graft_exp.backends.verl.config import verl_config
@@ -133,7 +141,8 @@ def test_micro_batched_peer_loss_equals_graft_policy_loss(actor_config):
 def test_sgt_adds_nll_of_nll_rows(actor_config):
     data = _batch(2, nll_count=2)
     theta = torch.tensor(0.3, requires_grad=True)
-    ours, _, _ = _run_verl_path(data, partial(actor_loss, actor_config, LossSpec(kind="sgt")), theta, 4)
+    spec = LossSpec(kind="sgt", settings={"sgt_lambda": 0.1})
+    ours, _, _ = _run_verl_path(data, partial(actor_loss, actor_config, spec), theta, 4)
     log_prob = _padded(data, theta).detach()
     pg, _ = graft_policy_loss(log_prob, data.batch["old_log_probs"], data.batch["advantages"], data.batch[vl.WEIGHT],
                               data.batch["response_mask"])
@@ -146,11 +155,14 @@ def test_hacpo_sequence_loss_through_verl_path(actor_config):
     data = _batch(3, peers=4)
     mask = data.batch["response_mask"].bool()
     source_mean = (data.batch["old_log_probs"] * mask).sum(1) / mask.sum(1) - 0.05 * data.batch[vl.IS_PEER]
-    data.batch[vl.SOURCE_MEAN_LOG_PROB] = source_mean
-    data.batch[vl.CAPABILITY_RATIO] = torch.full((ROWS,), 1.5)
+    data.batch[vl.row_column("source_mean_log_prob")] = source_mean
+    data.batch[vl.row_column("capability_ratio")] = torch.full((ROWS,), 1.5)
     present = data.batch[vl.WEIGHT] > 0
     data.batch[vl.DENOMINATOR] = torch.full((ROWS,), float(present.sum()))
-    spec = LossSpec(kind="hacpo", hacpo_kl_coef=0.0)
+    spec = LossSpec(kind="hacpo", settings={"self_clip_low": HACPO_SELF_CLIP_LOW,
+                                            "self_clip_high": HACPO_SELF_CLIP_HIGH,
+                                            "cross_clip_delta": HACPO_CROSS_CLIP_DELTA,
+                                            "cross_clip_step": HACPO_CROSS_CLIP_STEP})
     theta = torch.tensor(0.01, requires_grad=True)
     ours, _, _ = _run_verl_path(data, partial(actor_loss, actor_config, spec), theta, 4)
     row_adv = data.batch["advantages"].sum(1) / mask.sum(1)

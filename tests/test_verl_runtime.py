@@ -202,7 +202,7 @@ def _reference_gradient(model: VerlModel, data: DataProto, spec: LossSpec) -> di
     pg, _ = graft_policy_loss(log_prob, data.batch["old_log_probs"], data.batch["advantages"], data.batch[vl.WEIGHT],
                               mask, spec.clip_low, spec.clip_high, clip_ratio_c=spec.clip_ratio_c)
     nll_rows = data.batch[vl.NLL].bool()
-    nll, _ = sgt_nll_loss(log_prob[nll_rows], mask[nll_rows], spec.sgt_lambda)
+    nll, _ = sgt_nll_loss(log_prob[nll_rows], mask[nll_rows], spec.settings["sgt_lambda"])
     (pg + nll).backward()
     return {name: p.grad for name, p in hf.named_parameters()}
 

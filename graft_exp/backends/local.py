@@ -19,7 +19,7 @@ from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
 from graft_exp.costs import accounted_gpus
 from graft_exp.methods import Method
-from graft_exp.methods.objective import COUNT_METRICS, NllRows, generation_mean_log_prob, receiver_loss
+from graft_exp.methods.objective import COUNT_METRICS, NllRows, receiver_loss, row_column_values
 from graft_exp.methods.receiver import PEER, ReceiverBatch, Scorer
 from graft_exp.rollouts import Rollouts
 from graft_exp.scheduler import job_cores
@@ -174,11 +174,8 @@ class LocalBackend:
             needs = spec.columns
             if "old_log_prob" in needs:
                 columns["old_log_prob"] = policy.padded(old, log_prob.shape[1])
-            if "source_mean_log_prob" in needs:
-                columns["source_mean_log_prob"] = generation_mean_log_prob(rows, own.rollouts, source).to(
-                    device=self.device, dtype=log_prob.dtype)
-            if "capability_ratio" in needs:
-                columns["capability_ratio"] = capability_ratio
+            for name, values in row_column_values(spec, rows, own.rollouts, source, capability_ratio).items():
+                columns[name] = values.to(device=self.device, dtype=log_prob.dtype)
             if "minibatch_index" in needs:
                 columns["minibatch_index"] = index
             if spec.needs_reference_model:

@@ -278,11 +278,39 @@ SOURCE_RULES.register("random", fixed(SourceRule(_no_preference)))
 PEER_LOSSES = Registry("method.peer_loss")
 PEER_LOSSES.register("none", fixed(PeerLoss(transfers=False)))
 PEER_LOSSES.register("graft", fixed(PeerLoss()))                                       # eq. (10)
-PEER_LOSSES.register("luffy", fixed(PeerLoss(objective="luffy", gated=False)))        # App. B
-PEER_LOSSES.register("nll", fixed(NllPeerLoss(objective="sgt")))                      # SGT, App. B
-PEER_LOSSES.register("hacpo", fixed(HacpoPeerLoss(objective="hacpo", gated=False,
-                                                  two_models_only="its capability-aware advantages pool exactly "
-                                                                  "two models' groups")))   # App. B
+
+
+@PEER_LOSSES.register("luffy")
+def _luffy(method):
+    """LUFFY's update (App. B): peer tokens shaped by f(p) = p / (p + ``method.luffy_gamma``), ungated."""
+    return PeerLoss(objective="luffy", gated=False, settings={"luffy_gamma": float(method.luffy_gamma)})
+
+
+@PEER_LOSSES.register("nll")
+def _nll(method):
+    """SGT (App. B): GRPO plus ``method.sgt_lambda`` x the NLL of one drawn correct peer response."""
+    return NllPeerLoss(objective="sgt", settings={"sgt_lambda": float(method.sgt_lambda)})
+
+
+@PEER_LOSSES.register("hacpo")
+def _hacpo(method):
+    """HACPO (App. B) with its released clips (``method.hacpo``): the peer clamp's lower bound starts at
+    ``peer_clip_init`` = 1 - delta and rises by ``peer_clip_step`` per minibatch."""
+    hacpo = method.hacpo
+    return HacpoPeerLoss(objective="hacpo", gated=False,
+                         two_models_only="its capability-aware advantages pool exactly two models' groups",
+                         settings={"self_clip_low": float(hacpo.self_clip_low),
+                                   "self_clip_high": float(hacpo.self_clip_high),
+                                   "cross_clip_delta": 1.0 - float(hacpo.peer_clip_init),
+                                   "cross_clip_step": float(hacpo.peer_clip_step)})
+
+
+#: GRAFT's receiver with the peer term scaled (the worked example of docs/adding-a-method.md)
+@PEER_LOSSES.register("scaled", params={"peer_scale": RuleParam(float, 0.0, 1.0)})
+def _scaled(method):
+    """eq. (10) with each peer row's weight w(o) scaled by ``method.params.peer_scale``."""
+    return PeerLoss(objective="peer_scaled", settings={"peer_scale": float(method.params.peer_scale)})
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -363,6 +391,7 @@ declare("hacpo_which", "HACPO + GRAFT which", "hacpo")
 declare("sgt_which", "SGT + GRAFT which", "sgt")
 declare("graft_luffy", "GRAFT + LUFFY update", "graft")
 declare("graft_top_half", "GRAFT, peers' top half", "graft")
+declare("graft_peer_half", "GRAFT, peer term halved", "graft")
 
 
 def declaration(name: str) -> Declaration:
@@ -463,6 +492,6 @@ def resolve(method) -> Method:
 
 def co_trains(method) -> bool:
     """Whether a method (``cfg.method``) trains its members together (``Method.co_train``; validation holds its
-    selection to the same answer), from its peer loss alone: a run key asks before a rule's ``method.params``
-    are checked, and a peer loss's entry reads none when it is built."""
+    selection to the same answer), from its peer loss alone: a run key may be asked of a config before its
+    selection rule's ``method.params`` are checked."""
     return PEER_LOSSES.build(method).transfers

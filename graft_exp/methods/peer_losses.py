@@ -1,10 +1,10 @@
 """How a receiver learns from peer responses (``method.peer_loss``): each registered entry is the behaviour.
 
 An entry builds the receiver's batch from its own and the source's rollouts (``assemble``: which rows stay, their
-advantages and weights, how they group for minibatches), names its loss and settings (``loss_spec``), its
-minibatch size and clip range, what it receives beside the selected prompts (``receive``) and what it tracks
-across steps (``capability_ratios``). The exchange, the driver, the objective and both backends call these and
-branch on no peer loss's name or flag.
+advantages and weights, how they group for minibatches), names its loss and that loss's own settings
+(``objective``, ``settings``: ``loss_spec``), its minibatch size and clip range, what it receives beside the
+selected prompts (``receive``) and what it tracks across steps (``capability_ratios``). The exchange, the driver,
+the objective and both backends call these and branch on no peer loss's name or flag.
 
     PeerLoss        GRAFT's (eq. 10): selected groups replaced by the source's, gated (eq. 9); LUFFY's update too
     NllPeerLoss     SGT (App. B): own groups untouched, plus the NLL of one drawn correct peer response
@@ -15,7 +15,7 @@ Torch-free at import (config validation resolves methods): torch and the rules a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from graft_exp.methods.receiver import PEER, SELF, ReceiverBatch, Row
@@ -33,9 +33,12 @@ class PeerLoss:
     """GRAFT's receiver (eq. 10, Alg. 1 "Replace selected groups using the original source rollouts"): on a
     selected prompt the receiver's own group is replaced by the source's whole group, each response weighted
     by the method's admission (eq. 9; w = 0 removes it), with the method's advantages (the source's, or pooled
-    with the receiver's group, App. G). With ``objective="luffy"`` and no gate it is LUFFY's update (App. B)."""
+    with the receiver's group, App. G). With ``objective="luffy"`` and no gate it is LUFFY's update (App. B).
+    The entry's factory (``methods.PEER_LOSSES``) reads the objective's own numbers from the method's config into
+    ``settings`` (a config key such as ``method.luffy_gamma``, or a ``method.params`` value it declared)."""
 
     objective: str | None = None    # ``objective.OBJECTIVES`` key; None: method.ratio's (GRAFT's loss)
+    settings: dict[str, float] = field(default_factory=dict)   # the objective's own numbers (``LossSpec.settings``)
     transfers: bool = True          # False: no peer responses are learned from (single-model GRPO)
     gated: bool = True              # the method's admission applies (False: every response, w = 1)
     two_models_only: str = ""       # why it cannot serve a group of K > 2 ("": it can)
@@ -45,13 +48,10 @@ class PeerLoss:
     def loss_spec(self, method) -> LossSpec:
         """The receiver loss and its settings for a resolved method (``methods.Method.loss``)."""
         from graft_exp.methods.objective import LossSpec
-        config, hacpo = method.config, method.config.hacpo
+        config = method.config
         return LossSpec(kind=method.objective, clip_low=float(config.clip_low), clip_high=float(config.clip_high),
-                        clip_ratio_c=float(config.clip_ratio_c), luffy_gamma=float(config.luffy_gamma),
-                        sgt_lambda=float(config.sgt_lambda),
-                        hacpo_self_clip_low=float(hacpo.self_clip_low), hacpo_self_clip_high=float(hacpo.self_clip_high),
-                        hacpo_cross_clip_delta=1.0 - float(hacpo.peer_clip_init),
-                        hacpo_cross_clip_step=float(hacpo.peer_clip_step), hacpo_kl_coef=self.kl_coef(config))
+                        clip_ratio_c=float(config.clip_ratio_c), kl_coef=self.kl_coef(config),
+                        settings=dict(self.settings))
 
     def kl_coef(self, config) -> float:
         """The coefficient of a KL term to the initial policy (0: none, no reference model)."""

@@ -34,7 +34,7 @@ from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
 from graft_exp.methods import Method
-from graft_exp.methods.objective import COUNT_METRICS
+from graft_exp.methods.objective import COUNT_METRICS, row_column_values
 from graft_exp.prompts import job_prompt_date, pin_template_date, reads_the_clock
 from graft_exp.methods.receiver import ReceiverBatch, Scorer
 from graft_exp.resources import BEST_CONTENTS
@@ -225,9 +225,8 @@ class VerlBackend:
         """The receiver batch as verl rows, cut into the driver's minibatches, one ``update_actor`` each."""
         model, scorer, spec = self.models[role], self.scorers[role], self.method.loss
         peer_rows = scorer.score(batch.nll, source) if batch.nll else scorer.scored   # SGT scores its NLL rows only
-        rows = vb.receiver_batch(own.data, self.n, peer_rows, batch)
-        if "source_mean_log_prob" in spec.columns:
-            vb.hacpo_columns(rows, own.rollouts, source, capability_ratio)
+        rows = vb.receiver_batch(own.data, self.n, peer_rows, batch,
+                                 lambda part: row_column_values(spec, part, own.rollouts, source, capability_ratio))
         if spec.needs_reference_model:
             rows.batch["ref_log_prob"] = model.log_probs(rows, reference=True)
         raw = model.update_minibatches(vb.minibatch_layout(rows, minibatches, dp_size=model.dp_size,

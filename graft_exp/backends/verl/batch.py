@@ -25,14 +25,13 @@ from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
 from graft_exp.algorithms import sequence_log_prob_sums
 from graft_exp.backends.verl.loss import (
-    CAPABILITY_RATIO,
     DENOMINATOR,
     IS_PEER,
     MINIBATCH_INDEX,
     NLL,
     NLL_DENOMINATOR,
-    SOURCE_MEAN_LOG_PROB,
     WEIGHT,
+    row_column,
 )
 from graft_exp.prompts import end_of_turn_id
 from graft_exp.methods.receiver import PEER, SELF, ReceiverBatch, Row
@@ -45,6 +44,9 @@ PROMPT_INDEX, RESPONSE_INDEX, GROUP = "graft_prompt_index", "graft_response_inde
 #: ``log_probs(batch) -> [B, T]``: per-token log-probs of a padded batch's responses under the receiver's
 #: current (old) policy, as ``runtime.VerlModel.log_probs`` computes them on its worker group.
 LogProbs = Callable[[DataProto], torch.Tensor]
+#: ``row_columns(rows) -> {name: tensor [len(rows)]}``: the loss's per-row columns of exchange rows
+#: (``objective.row_column_values`` for the step, as the backend binds it).
+RowColumns = Callable[[list[Row]], dict[str, torch.Tensor]]
 
 
 def pack_rows(prompts: list[list[int]], responses: list[list[int]], *, prompt_length: int, response_length: int,
@@ -209,62 +211,46 @@ TRAIN_COLUMNS = ("prompts", "responses", "input_ids", "attention_mask", "positio
                  "old_log_probs")
 
 
-def receiver_batch(own: DataProto, n: int, peer: DataProto | None, plan: ReceiverBatch) -> DataProto:
+def receiver_batch(own: DataProto, n: int, peer: DataProto | None, plan: ReceiverBatch,
+                   row_columns: RowColumns = lambda rows: {}) -> DataProto:
     """The exchange's ``ReceiverBatch`` as verl rows with the loss's columns: own rows from the receiver's
     rollouts ``own`` (prompt-major, ``n`` per prompt), peer rows and SGT's NLL rows from ``peer`` (the
     ``PeerScorer``'s scored rows). Columns: ``advantages`` (the row's advantage on its response tokens,
     verl's [B, T] convention), ``graft_weight``, ``graft_is_peer``, ``graft_nll`` (NLL rows: weight 0,
-    advantage 0), and the rows' prompt, response and group indices. Both inputs need ``old_log_probs``
-    under the *receiver's* old policy."""
+    advantage 0), the loss's per-row columns (``row_columns(rows)``, each under ``loss.row_column(name)``), and
+    the rows' prompt, response and group indices. Both inputs need ``old_log_probs`` under the *receiver's* old
+    policy."""
     own_rows = [r for r in plan.rows if r.origin == SELF]
     peer_rows = [r for r in plan.rows if r.origin == PEER]
-    parts = [_rows(own, [r.prompt * n + r.sample for r in own_rows], *_row_columns(own_rows), peer=False, nll_rows=False)]
+    parts = [_rows(own, [r.prompt * n + r.sample for r in own_rows], own_rows, row_columns, nll_rows=False)]
     if peer_rows or plan.nll:
         if peer is None:
             raise ValueError("the receiver batch has peer rows but no scored peer batch was given")
         where = {(int(q), int(i)): row for row, (q, i) in
                  enumerate(zip(peer.non_tensor_batch[PROMPT_INDEX], peer.non_tensor_batch[RESPONSE_INDEX]))}
-        parts.append(_rows(peer, [where[r.prompt, r.sample] for r in peer_rows], *_row_columns(peer_rows),
-                           peer=True, nll_rows=False))
-        # SGT's drawn correct responses enter only the NLL term, in their prompt's group.
-        prompts, samples = [q for q, _ in plan.nll], [i for _, i in plan.nll]
-        zeros = [0.0] * len(plan.nll)
-        parts.append(_rows(peer, [where[q, i] for q, i in plan.nll], prompts, samples, prompts, zeros, zeros,
-                           peer=True, nll_rows=True))
+        parts.append(_rows(peer, [where[r.prompt, r.sample] for r in peer_rows], peer_rows, row_columns,
+                           nll_rows=False))
+        # SGT's drawn correct responses enter only the NLL term (weight 0, advantage 0), in their prompt's group.
+        nll = [Row(q, PEER, q, i, 0.0, 0.0) for q, i in plan.nll]
+        parts.append(_rows(peer, [where[q, i] for q, i in plan.nll], nll, row_columns, nll_rows=True))
     return DataProto.concat(parts)
 
 
-def _row_columns(rows: list[Row]) -> tuple[list, list, list, list, list]:
-    """(prompt, sample, group, advantage, weight) of exchange rows."""
-    return ([r.prompt for r in rows], [r.sample for r in rows], [r.group for r in rows],
-            [r.advantage for r in rows], [r.weight for r in rows])
-
-
-def _rows(batch: DataProto, index: list[int], prompt: list[int], sample: list[int], group: list[int],
-          advantage: list[float], weight: list[float], *, peer: bool, nll_rows: bool) -> DataProto:
-    """Rows ``index`` of ``batch`` with the loss's columns and their exchange indices."""
+def _rows(batch: DataProto, index: list[int], rows: list[Row], row_columns: RowColumns, *,
+          nll_rows: bool) -> DataProto:
+    """Rows ``index`` of ``batch``, the exchange's ``rows``, with the loss's columns and their exchange indices."""
     part = batch.select(batch_keys=list(TRAIN_COLUMNS), non_tensor_batch_keys=[])[torch.tensor(index, dtype=torch.long)]
     mask = part.batch["response_mask"].float()
-    part.batch["advantages"] = torch.tensor(advantage, dtype=torch.float32).unsqueeze(1) * mask
-    part.batch[WEIGHT] = torch.tensor(weight, dtype=torch.float32)
-    part.batch[IS_PEER] = torch.full((len(index),), float(peer))
+    part.batch["advantages"] = torch.tensor([r.advantage for r in rows], dtype=torch.float32).unsqueeze(1) * mask
+    part.batch[WEIGHT] = torch.tensor([r.weight for r in rows], dtype=torch.float32)
+    part.batch[IS_PEER] = torch.tensor([float(r.origin == PEER) for r in rows], dtype=torch.float32)
     part.batch[NLL] = torch.full((len(index),), float(nll_rows))
-    part.non_tensor_batch.update({PROMPT_INDEX: np.asarray(prompt, dtype=np.int64),
-                                  RESPONSE_INDEX: np.asarray(sample, dtype=np.int64),
-                                  GROUP: np.asarray(group, dtype=np.int64)})
+    for name, values in row_columns(rows).items():
+        part.batch[row_column(name)] = values
+    part.non_tensor_batch.update({PROMPT_INDEX: np.asarray([r.prompt for r in rows], dtype=np.int64),
+                                  RESPONSE_INDEX: np.asarray([r.sample for r in rows], dtype=np.int64),
+                                  GROUP: np.asarray([r.group for r in rows], dtype=np.int64)})
     return part
-
-
-def hacpo_columns(batch: DataProto, own: Rollouts, source: Rollouts, capability_ratio: float) -> None:
-    """HACPO's extra loss columns: each row's mean generation log-prob under the model that generated it
-    (own rows: the receiver's, peer rows: the source's; its sequence-level cross-model ratio) and the
-    step's capability ratio."""
-    prompt, sample = batch.non_tensor_batch[PROMPT_INDEX], batch.non_tensor_batch[RESPONSE_INDEX]
-    is_peer = batch.batch[IS_PEER].bool().tolist()
-    means = [float(m.logp_sum[q, i] / m.num_tokens[q, i].clamp(min=1))
-             for q, i, m in zip(prompt, sample, (source if p else own for p in is_peer))]
-    batch.batch[SOURCE_MEAN_LOG_PROB] = torch.tensor(means, dtype=torch.float32)
-    batch.batch[CAPABILITY_RATIO] = torch.full((len(batch),), float(capability_ratio))
 
 
 def minibatch_layout(batch: DataProto, minibatches: list[list[int]], *, dp_size: int,

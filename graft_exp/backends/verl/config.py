@@ -150,7 +150,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
     optimizer = {"adamw": "AdamW"}[str(train.optimizer).lower()]
     # Every update goes through graft_exp's loss, whose only KL term is HACPO's (config.validate refuses
     # train.kl_coef / train.entropy_coef > 0 on verl before any run exists).
-    kl_coef = resolved.loss.hacpo_kl_coef
+    kl_coef = resolved.loss.kl_coef
 
     steps = training_steps if training_steps is not None else train.max_steps
     total_updates = -1 if steps is None else int(steps) * optimizer_updates_per_step(cfg)   # -1: verl's "unknown"

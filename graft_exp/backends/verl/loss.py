@@ -16,7 +16,9 @@ Columns the driver adds to the receiver batch (one value per row; see ``batch.py
                         of a minibatch, so that micro-batching and data parallelism leave eq. (10) intact;
 - ``graft_nll`` / ``graft_nll_denominator`` (SGT): rows of the drawn correct peer responses, which enter
                         only the NLL term (their PG weight is 0), and that term's minibatch token count;
-- ``graft_source_mean_log_prob``, ``graft_capability_ratio``, ``graft_minibatch_index`` (HACPO).
+- ``graft_minibatch_index`` the minibatch's position in the step (HACPO's m);
+- ``graft_<name>``      each of the loss's per-row columns computed from the exchange's rows
+                        (``objective.ROW_COLUMNS``: HACPO's ``source_mean_log_prob``, ``capability_ratio``).
 
 Advantages stay verl's ``advantages`` column ([B, T], the row's advantage on its response tokens).
 """
@@ -31,9 +33,13 @@ from verl.workers.utils.padding import no_padding_2_padding
 from graft_exp.methods.objective import COUNT_METRICS, LossSpec, NllRows, receiver_loss
 
 WEIGHT, IS_PEER, DENOMINATOR = "graft_weight", "graft_is_peer", "graft_denominator"
-NLL, NLL_DENOMINATOR = "graft_nll", "graft_nll_denominator"
-SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO, MINIBATCH_INDEX = (
-    "graft_source_mean_log_prob", "graft_capability_ratio", "graft_minibatch_index")
+NLL, NLL_DENOMINATOR, MINIBATCH_INDEX = "graft_nll", "graft_nll_denominator", "graft_minibatch_index"
+
+
+def row_column(name: str) -> str:
+    """The batch column carrying the loss's per-row input ``name`` (an ``objective.ROW_COLUMNS`` key)."""
+    return f"graft_{name}"
+
 
 def _columns(data: TensorDict, names: list[str]) -> TensorDict:
     present = [n for n in names if n in data.keys()]  # noqa: SIM118 (TensorDict has no __contains__ for keys)
@@ -69,8 +75,7 @@ def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     dp_size = int(data["dp_size"])
     cols = _columns(data, ["response_mask", "old_log_probs", "advantages", "ref_log_prob", WEIGHT, IS_PEER,
-                           DENOMINATOR, NLL, NLL_DENOMINATOR, SOURCE_MEAN_LOG_PROB, CAPABILITY_RATIO,
-                           MINIBATCH_INDEX])
+                           DENOMINATOR, NLL, NLL_DENOMINATOR, MINIBATCH_INDEX, *map(row_column, spec.row_columns)])
     mask = cols["response_mask"].bool()
     needs, extra = spec.columns, {}
     if "nll_rows" in needs and NLL in cols.keys():  # noqa: SIM118 (TensorDict keys)
@@ -79,10 +84,7 @@ def actor_loss(config, spec: LossSpec, model_output: dict, data: TensorDict, dp_
             extra["nll_rows"] = NllRows(log_prob[rows], mask[rows], _first(cols[NLL_DENOMINATOR][rows]))
     if "old_log_prob" in needs:
         extra["old_log_prob"] = cols["old_log_probs"]
-    if "source_mean_log_prob" in needs:
-        extra["source_mean_log_prob"] = cols[SOURCE_MEAN_LOG_PROB].float()
-    if "capability_ratio" in needs:
-        extra["capability_ratio"] = cols[CAPABILITY_RATIO].float()
+    extra.update({name: cols[row_column(name)] for name in spec.row_columns})
     if "minibatch_index" in needs:
         extra["minibatch_index"] = int(_first(cols[MINIBATCH_INDEX]))
     if spec.needs_reference_model:
