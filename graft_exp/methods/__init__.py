@@ -432,9 +432,9 @@ class Method:
 
     @property
     def co_train(self) -> bool:
-        """The members train together: the method's components exchange peer responses (GRPO's baselines,
-        ``selection: none`` and ``peer_loss: none``, train each model alone)."""
-        return self.selection.transfers or self.peer_loss.transfers
+        """The members train together: the method's peer loss learns from peer responses (GRPO's baselines,
+        ``peer_loss: none``, train each model alone); validation holds the selection to the same answer."""
+        return self.peer_loss.transfers
 
     @property
     def gated(self) -> bool:
@@ -491,7 +491,6 @@ def resolve(method) -> Method:
 
 
 def co_trains(method) -> bool:
-    """Whether a method (``cfg.method``) trains its members together (``Method.co_train``; validation holds its
-    selection to the same answer), from its peer loss alone: a run key may be asked of a config before its
-    selection rule's ``method.params`` are checked."""
+    """``Method.co_train`` of a method's config (``cfg.method``), without building its other components: a run
+    key may be asked of a config before its selection rule's ``method.params`` are checked."""
     return PEER_LOSSES.build(method).transfers
