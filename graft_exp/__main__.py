@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from graft_exp import resources, schema, tracking
-from graft_exp.config import ConfigError, register_schemas, validate_job
+from graft_exp.config import ConfigError, register_schemas
 from graft_exp.launching import summary
 
 log = logging.getLogger("graft_exp")
@@ -56,8 +56,7 @@ def job_temporary_folder() -> Iterator[str]:
 def main(cfg: DictConfig) -> None:
     try:
         check_launch_mode(cfg)
-        validate_job(cfg)   # the config, then this machine: backend=verl's extra, data, checkpoint root
-        resources.check(resources.job_plan(cfg), cfg)   # GPU memory, token budget: python -m graft_exp.plan
+        resources.check_job(cfg)
     except ConfigError as err:
         # A bad override stops the whole sweep before any training, with one clear line.
         log.error("invalid configuration: %s", err)

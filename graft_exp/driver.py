@@ -138,34 +138,50 @@ class Driver:
     def __init__(self, cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFactory):
         self.cfg, self.job = cfg, job
         self.method = methods.resolve(cfg.method)   # config, components and loss, built once for the job
-        self.root = run_directory(cfg)
-        if not job.resumed:   # a fresh run never inherits another run's state: checkpoints, best weights, logs
-            shutil.rmtree(self.root, ignore_errors=True)
-        # Chat templates that write today's date render this one in every process, however long the job runs.
-        job.set_tags({schema.PROMPT_DATE: prompts.job_prompt_date(self.root).isoformat()})
-        members = roles(cfg.pair)
-        replayed = stored_logs(cfg, job.client, self.root / "stored")
-        # The verification workers a step's batch needs start while the models load.
-        reward.default_pool().start(int(cfg.train.batch_prompts) * int(self.method.config.n))
-        runs = {role: tracking.open_model_run(cfg, job, role) for role in members}
-        needed = trained(cfg.pair, bool(self.method.co_train), {r for r in members if runs[r] is not None})
-        self.members = {role: Member(role, str(cfg.pair[role]), runs[role], replayed=replayed.get(role))
-                        for role in needed}
+        self.root = self.own_directory()
+        self.members = self.open_members()
+        needed = list(self.members)
         self.backend: Backend = backend_factory(cfg, self.method, needed, self.root) if needed else None
-        for role, member in self.members.items():   # what a rollout of each model starts from and stops on
+        self.job_device_seconds, self.job_flops = 0.0, 0.0
+        self.start_step = 1
+        if self.backend is not None:
+            self.tag_prompting()
+            self.shapes = {role: ModelFlops.of(self.backend.model_config(role)) for role in needed}
+            problems = self.backend.problems()
+            self.total_steps = total_steps(cfg, len(problems))
+            streams = needed if self.method.sampling.own_prompts else ["shared"]
+            self.streams = {name: PromptStream(problems, int(cfg.seed)) for name in streams}
+            self.pool = ThreadPoolExecutor(max_workers=len(needed)) if self.backend.concurrent else None
+
+    def own_directory(self) -> Path:
+        """The job's run directory: emptied for a fresh run, which never inherits another run's state
+        (checkpoints, best weights, logs); the date its chat templates render, fixed there on the first start."""
+        root = run_directory(self.cfg)
+        if not self.job.resumed:
+            shutil.rmtree(root, ignore_errors=True)
+        # Chat templates that write today's date render this one in every process, however long the job runs.
+        self.job.set_tags({schema.PROMPT_DATE: prompts.job_prompt_date(root).isoformat()})
+        return root
+
+    def open_members(self) -> dict[str, Member]:
+        """The models this job trains, each with its MLflow run and the stored log it replays: every member
+        whose run has not finished, or all of them while any co-trained one has not (``config.trained``)."""
+        members = roles(self.cfg.pair)
+        replayed = stored_logs(self.cfg, self.job.client, self.root / "stored")
+        # The verification workers a step's batch needs start while the models load.
+        reward.default_pool().start(int(self.cfg.train.batch_prompts) * int(self.method.config.n))
+        runs = {role: tracking.open_model_run(self.cfg, self.job, role) for role in members}
+        needed = trained(self.cfg.pair, bool(self.method.co_train), {r for r in members if runs[r] is not None})
+        return {role: Member(role, str(self.cfg.pair[role]), runs[role], replayed=replayed.get(role))
+                for role in needed}
+
+    def tag_prompting(self) -> None:
+        """What a rollout of each model starts from and stops on, on its run: the rendered prompt, the stop ids."""
+        for role, member in self.members.items():
             if member.run is not None:
                 shown = self.backend.prompting(role)
                 member.run.set_tags({schema.STOP_IDS: shown["stop_ids"],
                                      schema.RENDERED_PROMPT: shown["rendered_prompt"][:5000]})
-        self.job_device_seconds, self.job_flops = 0.0, 0.0
-        self.start_step = 1
-        if self.backend is not None:
-            self.shapes = {role: ModelFlops.of(self.backend.model_config(role)) for role in needed}
-            problems = self.backend.problems()
-            self.total_steps = total_steps(cfg, len(problems))
-            streams = list(needed) if self.method.sampling.own_prompts else ["shared"]
-            self.streams = {name: PromptStream(problems, int(cfg.seed)) for name in streams}
-            self.pool = ThreadPoolExecutor(max_workers=len(needed)) if self.backend.concurrent else None
 
     def each(self, fn, roles: Sequence[str] | None = None) -> dict:
         """``fn(role)`` for every model: at the same time when the backend's models sit on disjoint devices."""

@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from packaging.requirements import Requirement
 
 from graft_exp import methods, prompts, resources, schema, tracking
-from graft_exp.config import FLASH_ATTN, ConfigError, roles, validate_job
+from graft_exp.config import FLASH_ATTN, ConfigError, roles
 
 PASS, FAIL, NOT_HERE, INFO = "pass", "fail", "not measurable here", "info"
 #: The largest mean per-token |vLLM - FSDP| log-prob gap of a response on step 2 (nats) that a weight sync passes
@@ -343,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(str(full.checkpoint_root)).resolve() / "preflight" / time.strftime("%Y%m%d-%H%M%S")
         shape = miniature(full, root)
         cfg = compose(overrides + shape)
-        validate_job(cfg)
-        resources.check(resources.job_plan(cfg), cfg)
+        resources.check_job(cfg)
         tracking.check_store(str(cfg.tracking.uri))
     except (ConfigError, tracking.TrackingError) as err:
         print(f"preflight: {err}", file=sys.stderr)

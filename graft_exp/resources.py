@@ -41,7 +41,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp.config import ConfigError, roles
+from graft_exp.config import ConfigError, roles, validate_job
 
 SIZES_FILE = Path(__file__).resolve().parents[1] / "conf" / "catalog" / "sizes.yaml"
 GB = 2 ** 30
@@ -274,6 +274,14 @@ def peak_disk_gb(params: int, latest: Sequence[str] = LATEST_CONTENTS, best: Seq
     new one is renamed into place (two ``latest``), and when the best step moved, the previous checkpoint's
     best (hard links) and the newly staged one are both on disk (two ``best``)."""
     return round(2 * checkpoint_gb(params, latest) + 2 * checkpoint_gb(params, best), 1)
+
+
+def check_job(cfg: DictConfig) -> None:
+    """What every launch path refuses before anything is created, in one line: the config (``validate_job``:
+    values, this machine's extras, data and checkpoint root), then its plan (``check``: GPU memory, token budget,
+    what ``python -m graft_exp.plan`` prints)."""
+    validate_job(cfg)
+    check(job_plan(cfg), cfg)
 
 
 def check(plan: Plan, cfg: DictConfig) -> None:

@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from graft_exp.config import MethodConfig
-from graft_exp.methods.exchange import peer_solved_frac, plan_exchange, select_prompts
 from graft_exp.methods import resolve
+from graft_exp.methods.exchange import peer_solved_frac, plan_exchange, select_prompts
 from graft_exp.methods.receiver import PEER, SELF
 from graft_exp.rollouts import Rollouts
 

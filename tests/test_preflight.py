@@ -66,12 +66,13 @@ def test_responses_that_never_stop_fail_the_stopping_check(tmp_path, new_store):
     assert "fail stopping (tiny-char-llama): responses do not stop" in " ".join(done.stdout.split())
 
 
-def test_a_dead_store_stops_the_preflight_before_anything_runs(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "graft_exp.preflight", "tracking.uri=http://127.0.0.1:9",
-                           f"checkpoint_root={tmp_path}/ckpt"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.startswith("preflight: ") and len(done.stderr.strip().splitlines()) == 1
+def test_a_dead_store_stops_the_preflight_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """In this process: the module's own runs (``run_preflight``) show the exit code reaching the shell."""
+    monkeypatch.chdir(tmp_path)
+    rc = preflight.main(["tracking.uri=http://127.0.0.1:9", f"checkpoint_root={tmp_path}/ckpt"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("preflight: ") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "mlflow.db").exists()
 
 

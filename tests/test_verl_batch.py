@@ -25,11 +25,11 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from graft_exp.algorithms import grpo_advantages
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl import loss as vl
-from graft_exp.methods.exchange import select_prompts
 from graft_exp.methods import resolve
+from graft_exp.methods.exchange import select_prompts
 from graft_exp.methods.objective import row_column_values
-from graft_exp.prompts import end_of_turn_id
 from graft_exp.methods.receiver import PEER
+from graft_exp.prompts import end_of_turn_id
 from graft_exp.rollouts import Rollouts
 
 CORPUS = ["What is 12 + 30? Let's think step by step and output the final answer within \\boxed{}.",

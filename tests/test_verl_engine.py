@@ -10,7 +10,6 @@ for vLLM's, are ``verl_cpu``'s.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 from support.optional import VERL_BACKEND
@@ -29,7 +28,7 @@ from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
 from graft_exp.backends.verl.config import ray_init_kwargs, verl_config
-from graft_exp.backends.verl.ray_slurm import start_local_ray
+from graft_exp.backends.verl.ray_slurm import start_local_ray, stop_local_ray
 from graft_exp.backends.verl.runtime import GraftActorWorker, VerlModel, resource_pools
 from graft_exp.methods import resolve
 
@@ -68,7 +67,7 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
     kwargs["runtime_env"]["env_vars"][ROLLOUT_DIR_ENV] = str(root / "rollout")
     kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
     auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
-    start_local_ray(num_gpus=4, job_dir=root, init_kwargs=kwargs)   # sets this process's Ray token variables
+    ray_dir = start_local_ray(num_gpus=4, job_dir=root, init_kwargs=kwargs)   # sets this process's Ray token variables
     try:
         models = [VerlModel(role, config, resolve(cfg.method).loss) for role, (cfg, config) in configs.items()]
         pools = resource_pools(models)
@@ -82,8 +81,7 @@ def engines(prepared, tmp_path_factory):  # noqa: F811
             model.attach(wg, tokenizer)
         yield {model.role: model for model in models}, root
     finally:
-        ray.shutdown()
-        shutil.rmtree(kwargs["_temp_dir"], ignore_errors=True)
+        stop_local_ray(ray_dir)
         for key, value in auth.items():   # the tests after these start Ray with their own tokens
             if value is None:
                 os.environ.pop(key, None)

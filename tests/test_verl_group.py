@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from graft_exp.backends.verl.config import placement, ray_init_kwargs, verl_config
-from graft_exp.backends.verl.ray_slurm import start_local_ray
+from graft_exp.backends.verl.ray_slurm import start_local_ray, stop_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, resource_pools
 from graft_exp.config import roles
 from graft_exp.methods import resolve
@@ -38,7 +38,7 @@ def test_three_members_get_three_disjoint_pools_on_one_eight_gpu_node(tmp_path):
     kwargs = ray_init_kwargs(models[0].config)
     kwargs["num_cpus"] = 32    # verl's bundles reserve CPUs per GPU
     auth = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
-    start_local_ray(num_gpus=8, job_dir=tmp_path, init_kwargs=kwargs)
+    ray_dir = start_local_ray(num_gpus=8, job_dir=tmp_path, init_kwargs=kwargs)
     try:
         pools = resource_pools(models).resource_pool_dict
         assert set(pools) == {"graft_A", "graft_B", "graft_C"}
@@ -51,7 +51,7 @@ def test_three_members_get_three_disjoint_pools_on_one_eight_gpu_node(tmp_path):
                 bundles.append(ray.util.placement_group_table(pg)["bundles_to_node_id"])
         assert len(bundles) == 3 and ray.available_resources().get("GPU") == 2.0   # 6 of the 8 GPUs held
     finally:
-        ray.shutdown()
+        stop_local_ray(ray_dir)
         for key, value in auth.items():   # start_local_ray set this job's token; later tests start their own
             if value is None:
                 os.environ.pop(key, None)

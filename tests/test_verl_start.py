@@ -6,14 +6,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
 from support.optional import VERL_BACKEND
 
 pytest.importorskip("verl", reason=VERL_BACKEND)   # above the imports below, which import verl
-import ray
 import torch
 from support.verl_cpu import ROLLOUT_DIR_ENV, WORKER_ENV, cpu_replica_class
 from test_verl_contract import SMALL, prepared  # noqa: F401 (fixture)
@@ -23,7 +21,7 @@ from verl import DataProto
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
 from graft_exp.backends.verl.config import ray_init_kwargs
-from graft_exp.backends.verl.ray_slurm import start_local_ray
+from graft_exp.backends.verl.ray_slurm import start_local_ray, stop_local_ray
 from graft_exp.backends.verl.runtime import VerlModel, start_models
 from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.methods import resolve
@@ -43,7 +41,7 @@ def test_start_and_rollout_generates_with_the_trained_weights(prepared, tmp_path
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
         monkeypatch.setenv(key, os.environ.get(key, ""))
         monkeypatch.delenv(key)
-    start_local_ray(num_gpus=2, job_dir=tmp_path, init_kwargs=kwargs)
+    ray_dir = start_local_ray(num_gpus=2, job_dir=tmp_path, init_kwargs=kwargs)
     try:
         model = VerlModel("A", config, resolve(cfg.method).loss)
         start_models([model], with_ref=False)
@@ -73,5 +71,4 @@ def test_start_and_rollout_generates_with_the_trained_weights(prepared, tmp_path
         assert not torch.allclose(model.log_probs(first), first.batch["old_log_probs"], atol=1e-6)   # trained
         generate(2)   # after the update: the rollout has the just-updated weights
     finally:
-        ray.shutdown()
-        shutil.rmtree(kwargs["_temp_dir"], ignore_errors=True)
+        stop_local_ray(ray_dir)

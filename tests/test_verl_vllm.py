@@ -58,7 +58,7 @@ from verl.workers.rollout.replica import RolloutReplicaRegistry
 from graft_exp import driver, preflight, prompts, schema, tracking
 from graft_exp.backends.verl.backend import VerlBackend, check_verl_loadable
 from graft_exp.backends.verl.config import data_files, model_path, ray_init_kwargs
-from graft_exp.backends.verl.ray_slurm import start_local_ray
+from graft_exp.backends.verl.ray_slurm import start_local_ray, stop_local_ray
 from graft_exp.backends.verl.runtime import start_models
 from graft_exp.evaluation import is_validation_step
 from graft_exp.tiny import models as tiny
@@ -178,8 +178,7 @@ class Engines:
             kwargs = ray_init_kwargs(backend.models[roles[0]].config)
             kwargs["runtime_env"]["env_vars"].update(verl_cpu.VLLM_WORKER_ENV)
             kwargs["num_cpus"] = 16   # verl's pools reserve CPUs per stand-in GPU (ResourcePoolManager's bundles)
-            self.ray_dir = kwargs["_temp_dir"]
-            start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
+            self.ray_dir = start_local_ray(num_gpus=int(cfg.pair.gpus), job_dir=self.job_dir, init_kwargs=kwargs)
             start_models(list(backend.models.values()), with_ref=False)   # no job here has a KL term
             self.live = backend.models
         else:
@@ -250,8 +249,7 @@ def engines(paper_prepared, tmp_path_factory, exclusive_memory):
                 alive = running(alive)
             for process in alive:
                 process.kill()
-            if made.ray_dir:
-                shutil.rmtree(made.ray_dir, ignore_errors=True)
+            stop_local_ray(made.ray_dir)
             removed, left = verl_cpu.remove_shm_left(shm_before, ray_or_vllm)
             print(f"/dev/shm files the engines left at exit, removed: {removed}")
             assert not left, f"shared-memory files still held open in /dev/shm: {left}"

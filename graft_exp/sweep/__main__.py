@@ -44,7 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
 from graft_exp import resources, tracking
-from graft_exp.config import ConfigError, folder_problem, validate_job
+from graft_exp.config import ConfigError, folder_problem
 from graft_exp.sweep.decide import DecideError, Settings, settings
 from graft_exp.sweep.launch import launcher
 from graft_exp.sweep.planning import Sweep, SweepError, load, plan
@@ -57,8 +57,7 @@ def invalid_jobs(sweep) -> list[str]:
     problems = []
     for sj in sweep.jobs:
         try:
-            validate_job(sj.job.cfg)
-            resources.check(resources.job_plan(sj.job.cfg), sj.job.cfg)   # python -m graft_exp.plan's check
+            resources.check_job(sj.job.cfg)
         except ConfigError as err:
             problems.append(f"  job #{sj.index} {sj.job.label}: {err}")
     return problems

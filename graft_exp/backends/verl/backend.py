@@ -35,8 +35,8 @@ from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
 from graft_exp.methods import Method
 from graft_exp.methods.objective import COUNT_METRICS, row_column_values
-from graft_exp.prompts import job_prompt_date, pin_template_date, reads_the_clock
 from graft_exp.methods.receiver import ReceiverBatch, Scorer
+from graft_exp.prompts import job_prompt_date, pin_template_date, reads_the_clock
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
@@ -270,14 +270,11 @@ class VerlBackend:
     def close(self) -> None:
         """Stop every model's vLLM replicas and workers and leave Ray, so that the next job of this process (a
         multirun on cluster=local) starts a Ray of its own instead of inheriting this one's placement groups."""
-        import ray
+        from graft_exp.backends.verl.ray_slurm import stop_local_ray
 
         for model in self.models.values():
             model.stop()
-        if ray.is_initialized():
-            ray.shutdown()
-        if self.ray_temp_dir:   # the private Ray's sessions, logs and sockets: nothing of the job left in /tmp
-            shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
+        stop_local_ray(self.ray_temp_dir)
 
     def save(self, directory: Path, step: int) -> None:
         """Each model's state under ``directory/<role>`` and its staged best (hard links) under
@@ -324,9 +321,9 @@ def create(cfg: DictConfig, method: Method, roles: list[str], run_dir: Path) -> 
     # The GPUs of the pools this job starts: a single-model job whose other member's shared baseline already
     # finished was allocated (resources.job_plan) and runs one pool only.
     ray_kwargs = ray_init_kwargs(backend.models[roles[0]].config, logprob_path=cfg.backend.logprob_path)
-    backend.ray_temp_dir = None if cfg.backend.ray_address else ray_kwargs["_temp_dir"]
-    start_local_ray(num_gpus=len(roles) * int(cfg.backend.gpus_per_model), job_dir=backend.dir,
-                    address=cfg.backend.ray_address, init_kwargs=ray_kwargs, num_cpus=len(os.sched_getaffinity(0)))
+    backend.ray_temp_dir = start_local_ray(
+        num_gpus=len(roles) * int(cfg.backend.gpus_per_model), job_dir=backend.dir, address=cfg.backend.ray_address,
+        init_kwargs=ray_kwargs, num_cpus=len(os.sched_getaffinity(0)))
     if int(cfg.backend.nnodes) > 1:
         local_models = {f"model of {role}": model_path(cfg, role) for role in roles
                         if os.path.isdir(model_path(cfg, role))}   # a hub id is fetched by each node itself

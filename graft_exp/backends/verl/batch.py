@@ -33,8 +33,8 @@ from graft_exp.backends.verl.loss import (
     WEIGHT,
     row_column,
 )
-from graft_exp.prompts import end_of_turn_id
 from graft_exp.methods.receiver import PEER, SELF, ReceiverBatch, Row
+from graft_exp.prompts import end_of_turn_id
 from graft_exp.rollouts import Rollouts
 
 #: Non-tensor columns of peer and receiver rows: the prompt's index in the step's batch, the response's

@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,7 +224,7 @@ def ray_commands_for_allocation(gpus_per_node: int, cpus_per_node: int, port: in
 
 
 def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | None = None,
-                    init_kwargs: dict | None = None, num_cpus: int | None = None) -> None:
+                    init_kwargs: dict | None = None, num_cpus: int | None = None) -> str | None:
     """Connect to Ray for one job: ``address`` ("auto": the allocation's cluster) or a private Ray on
     this node with ``num_gpus`` GPUs and ``num_cpus`` CPUs (the cores this process may use; Ray would count the
     whole node's). A job spread over several Slurm nodes needs the sbatch script.
@@ -231,16 +232,19 @@ def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | No
 
     A private Ray authenticates with a new token in ``job_dir`` (``new_ray_token``). A cluster joined by
     address is reached with the token its starter gave this process: the ray_slurm script's
-    (``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN_PATH``), or, for a cluster of the user's own, the user's."""
+    (``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN_PATH``), or, for a cluster of the user's own, the user's.
+
+    Returns the private Ray's own folder (its sessions, logs and sockets), for ``stop_local_ray`` to remove;
+    None where this process started no Ray."""
     import ray
 
     if ray.is_initialized():
-        return
+        return None
     init_kwargs = dict(init_kwargs or {})
     if address:
         init_kwargs.pop("_temp_dir", None)   # a joined cluster keeps the one `ray start` was given
         ray.init(address=address, **init_kwargs)
-        return
+        return None
     if int(os.environ.get("SLURM_NNODES", "1")) > 1:
         raise RuntimeError("this Slurm job spans several nodes but backend.ray_address is null: launch "
                            "multi-node verl jobs with `python -m graft_exp.backends.verl.ray_slurm`")
@@ -253,6 +257,18 @@ def start_local_ray(num_gpus: int, job_dir: str | os.PathLike, address: str | No
         init_kwargs["num_cpus"] = num_cpus
     use_ray_token(new_ray_token(job_dir))
     ray.init(num_gpus=num_gpus, include_dashboard=False, **init_kwargs)
+    return init_kwargs.get("_temp_dir")
+
+
+def stop_local_ray(temp_dir: str | None) -> None:
+    """Leave Ray and remove ``temp_dir``, the folder of the private Ray ``start_local_ray`` started (None: a
+    joined cluster's, which stays): nothing of the job left in the node's /tmp."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def check_shared_paths(written: dict[str, str], read: dict[str, str]) -> None:
