@@ -253,6 +253,9 @@ def engines(paper_prepared, tmp_path_factory, exclusive_memory):
             removed, left = verl_cpu.remove_shm_left(shm_before, ray_or_vllm)
             print(f"/dev/shm files the engines left at exit, removed: {removed}")
             assert not left, f"shared-memory files still held open in /dev/shm: {left}"
+            # VerlModel.stop shuts each engine down before killing its server: its processes unlink their own
+            leaked = [n for n in removed if verl_cpu.shm_owner(n) in {str(p.pid) for p in started}]
+            assert not leaked, f"the engines' processes left these in /dev/shm: {leaked}"
             assert not alive, f"processes left running after the engines' shutdown (killed now): {alive}"
 
 

@@ -498,13 +498,23 @@ def vllm_replica_class():
 #: queues between its API server, engine core and worker processes) and Intel OpenMP's registration file
 #: (``__KMP_REGISTERED_LIB_<pid>_<uid>``, written by libiomp in every vLLM engine process, which vLLM ends by a
 #: signal, so the file is never unlinked).
-SHM_PREFIXES = ("verl_weights_", "psm_", "__KMP_REGISTERED_LIB_")
+SHM_PREFIXES = ("verl_weights_", "psm_", "__KMP_REGISTERED_LIB_", "sem.loky-")
+
+
+def shm_owner(name: str) -> str:
+    """The process id a /dev/shm name carries ("" for none): OpenMP's registration, a semaphore named by joblib's
+    loky (``sem.loky-<pid>-<random>``, which every multiprocessing lock gets in a process that imported it)."""
+    if name.startswith("__KMP"):
+        return name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0]
+    if name.startswith("sem.loky-"):
+        return name.split("-")[1]
+    return ""
 
 
 def remove_shm_left(before: set[str], ours) -> tuple[list[str], list[str]]:
     """Remove the files of ``SHM_PREFIXES`` that appeared in /dev/shm since ``before`` and that no process holds
     open (run after every Ray and vLLM process of the test has exited). A file another process holds open, or
-    the OpenMP registration of a process still alive, is another test's (the suite's other worker) or another
+    the OpenMP registration or semaphore of a process still alive, is another test's (the suite's other worker) or another
     user's and is never touched; only one held open by a process ``ours(process)`` accepts counts as left.
     Returns (removed, still held open by ours)."""
     if not os.path.isdir("/dev/shm"):
@@ -525,7 +535,7 @@ def remove_shm_left(before: set[str], ours) -> tuple[list[str], list[str]]:
             if any(_accepts(ours, pid) for pid in holders[path]):
                 left.append(name)
             continue
-        owner = name.removeprefix("__KMP_REGISTERED_LIB_").split("_")[0] if name.startswith("__KMP") else ""
+        owner = shm_owner(name)
         if owner.isdigit() and psutil.pid_exists(int(owner)):
             continue
         with contextlib.suppress(FileNotFoundError):

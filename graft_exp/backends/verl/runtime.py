@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -73,6 +74,8 @@ from graft_exp.backends.verl.config import JOB_TOKEN_ENV
 from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.methods.objective import LossSpec
 from graft_exp.resources import LATEST_CONTENTS
+
+log = logging.getLogger(__name__)
 
 #: verl's prefix of the trainer -> vLLM weight-transfer socket (vllm_rollout.py / vllm_rollout/utils.py).
 ZMQ_PREFIX = "rl-colocate-zmq-"
@@ -345,10 +348,26 @@ class VerlModel:
             return
         for replica in self.servers.get_replicas():
             for server in replica.servers:
+                shut_down_engine(server)
                 ray.kill(server)
         for worker in self.wg.workers:
             ray.kill(worker)
         self.servers = self.wg = self.agent_loop = self.checkpoints = None
+
+
+def _shut_down(server) -> None:
+    server.engine.shutdown()
+
+
+def shut_down_engine(server: ray.actor.ActorHandle, timeout_s: float = 60) -> None:
+    """Stop the vLLM engine a server actor of verl holds (its ``AsyncLLM``) before the actor is killed: the engine
+    core and its workers then exit on their own and unlink the shared memory they made (their message queues'
+    ``psm_*`` segments, the multiprocessing lock of their progress bars, ``sem.*``). Killed with their actor, they
+    leave those files in /dev/shm until the node restarts. An engine already gone is no error."""
+    try:
+        ray.get(server.__ray_call__.remote(_shut_down), timeout=timeout_s)
+    except ray.exceptions.RayError as err:
+        log.warning("the vLLM engine of %s did not shut down (%s); killing its server", server, err)
 
 
 def resource_pools(models: list[VerlModel]) -> ResourcePoolManager:
