@@ -11,15 +11,13 @@ than a count, its docstring says what it leaves out. What verl 0.9.1 does that t
 
 - FSDP keeps fp32 master parameters (``fsdp_config.model_dtype: fp32``), fp32 gradients and AdamW's two
   fp32 moments, sharded over the pool's ranks: 16 bytes per parameter, divided by the pool's GPUs. verl frees
-  the gradients after each ``train_batch`` (``zero_grad``), yet measured after a step on an H200 (world size 1)
-  23.9 GiB stayed resident for Qwen3-1.7B and 38.3 for SmolLM3-3B: above parameters and AdamW's moments (19.2,
-  34.4), below the full state (25.6, 45.9). The plan counts the full state while vLLM is awake from the second
-  step on, the bound the measurement stays under.
-- PyTorch's caching allocator reserves more than the peak it allocates: measured over one training step at the
-  plan's micro-batch, 0.85x (Qwen3-1.7B) and 0.92x (SmolLM3-3B) of the activation term above the allocated peak
-  (8.5-9.4 GiB; 44.3/61.6 GiB reserved with expandable segments, 45.2/62.1 without). The plan counts the larger,
-  ``ALLOCATOR_HEADROOM`` x activations, on top of ``GPU_RESERVE_GB`` for what the allocator does not see (the two
-  CUDA contexts per GPU, NCCL's buffers).
+  the gradients after each ``train_batch`` (``zero_grad``); what stayed resident after a step on an H200 was
+  between parameters + AdamW's moments and the full state (docs/verl.md's table,
+  ``benchmarks/fsdp_step_memory.py``). The plan counts the full state while vLLM is awake from the second step on,
+  the bound every reading stays under.
+- PyTorch's caching allocator reserves more than the peak it allocates: ``ALLOCATOR_HEADROOM`` x the activation
+  term above it (the larger reserve of the first reading; docs/verl.md's table has each reading), on top of
+  ``GPU_RESERVE_GB`` for what the allocator does not see (the two CUDA contexts per GPU, NCCL's buffers).
 - HACPO's KL term (``method.hacpo.kl_coef > 0``) starts a reference model in every pool: a second FSDP engine whose
   fp32 parameters are offloaded to host memory (``ref.fsdp_config.param_offload``), loaded like the actor.
 - vLLM takes ``gpu_memory_utilization`` of the *whole* GPU when it wakes (weights, KV cache, activations),
@@ -60,7 +58,7 @@ RAY_CPUS_PER_GPU = 3
 #: GPU (the FSDP worker and the vLLM engine) and NCCL buffers.
 GPU_RESERVE_GB = 3.0
 #: The caching allocator's reserve above the allocated peak of a training step, per GB of the activation term
-#: (the larger of the two measured on an H200; see the module docstring).
+#: (measured on an H200: docs/verl.md's table).
 ALLOCATOR_HEADROOM = 0.92
 #: Bytes per (token, vocabulary entry) of each path verl 0.9.1's log-prob pass may take
 #: (``verl.utils.torch_functional.logprobs_from_logits``), chosen by ``backend.logprob_path``, which the job sets on
