@@ -208,7 +208,7 @@ def write(client: MlflowClient, names: list[str] | None, out: Path, reference: s
 
 def _decision_markdown(table: pd.DataFrame) -> str:
     shown = pd.DataFrame({
-        "comparison": table["comparison"], "rule": table["rule"] if "rule" in table else "adastop",
+        "comparison": table["comparison"], "rule": table.get("rule", "adastop"),
         "verdict": table["verdict"], "seeds": table["seeds"],
         "Δ (points) [adjusted interval]": [f"{r['mean diff']:+.2f} [{r['adjusted lo']:+.2f}, {r['adjusted hi']:+.2f}]"
                                            for _, r in table.iterrows()],
