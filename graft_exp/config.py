@@ -38,6 +38,7 @@ from graft_exp.hyperparameters import (
     LUFFY_GAMMA,
     SGT_LAMBDA,
 )
+from graft_exp.tiny.recipes import RECIPES
 
 BACKENDS = ("local", "verl")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -507,8 +508,6 @@ def validate_backend(cfg: DictConfig) -> None:
         if pair.data != "tiny_arith" or len(tiny_models) < len(members):
             raise ConfigError(f"backend=local trains the tiny models on the generated task (pair=tiny); "
                               f"pair={pair.name} needs GPUs: use backend=verl")
-        from graft_exp.tiny.models import RECIPES  # torch's import: only for jobs that train here
-
         chat = [key for key in tiny_models if key not in RECIPES]
         if chat:
             raise ConfigError(f"backend=local trains the tiny models in their own prompt format; {chat[0]} is "

@@ -155,3 +155,21 @@ def test_a_login_node_without_the_gpu_stack_plans_and_checks_the_paper_sweep_it_
     # the same machine cannot train it: an in-process job is refused with the install line
     here = run_without(modules, ["-m", "graft_exp", "backend=verl", "pair=pair1", "tracking=sqlite"], tmp_path)
     assert here.returncode == 2 and "pip install 'graft_exp[verl]'" in here.stdout + here.stderr
+
+
+def test_a_tiny_sweep_is_planned_and_refused_without_torch_or_transformers(tmp_path):
+    """The launcher's side of the tiny pair (compose, validate, plan, list, refuse) imports neither torch nor
+    transformers, only the jobs that train do: a multirun's parent, a dry run and a bad override answer in
+    seconds, and no process that only launches pays for them."""
+    hidden = ("torch", "transformers")
+    store = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    planned = run_without(hidden, ["-m", "graft_exp.sweep", str(ROOT / "sweeps" / "tiny.yaml"), "--dry-run",
+                                   "--out", str(tmp_path / "multirun"), store], tmp_path)
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-3000:]
+    assert "65 jobs: 0 finished" in planned.stdout
+    refused = run_without(hidden, ["-m", "graft_exp", "-m", "method=graft,sgt", "method.delta=1.5",
+                                   "cluster=submitit_local", store, f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "method.delta=1.5 is outside [0, 1]" in refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "mlflow.db").exists()

@@ -29,7 +29,7 @@ def _frame_input(frame: pd.DataFrame, name: str, source, context: str, digest: s
 
 def _tiny_inputs(cfg: DictConfig) -> list[DatasetInput]:
     """The tiny pair's generated splits, as the local backend draws them (graft_exp/tiny/task.py)."""
-    from graft_exp.tiny import models as tiny
+    from graft_exp.tiny import recipes as tiny
     from graft_exp.tiny.task import DATA_SEED, SKILLS, benchmark, train_split
 
     def frame(problems):
