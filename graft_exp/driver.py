@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from graft_exp import methods, prompts, reward, schema, step_record, tracking
+from graft_exp import methods, prompts, reward, scheduler, schema, step_record, tracking
 from graft_exp.algorithms import dynamic_sampling_batch_full, grpo_advantages
 from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
@@ -633,13 +633,18 @@ def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFacto
         stop_at_step: int | None = None) -> dict[str, dict[str, float]]:
     """Train, evaluate and record one job, and close its MLflow runs: the job run and its model runs
     FINISHED, or FAILED / KILLED on a failure / Ctrl-C. A preemption (SystemExit from submitit's signal
-    handler) is not caught: the runs stay RUNNING, and the requeued job resumes them; so does
+    handler, or its requeue command stopped by the requeue: ``scheduler.requeue_under_way``) leaves the runs
+    RUNNING, and the requeued job resumes them; so does
     ``stop_at_step`` (see ``Driver.fit``). Returns each model's mean final test scores."""
     driver = None
     try:
         driver = Driver(cfg, job, backend_factory)
         scores = driver.fit(stop_at_step=stop_at_step)
     except (Exception, KeyboardInterrupt) as err:
+        if scheduler.requeue_under_way(err):   # preempted after all: leave as submitit does after its requeue
+            log.warning("preempted: Slurm requeued the job while submitit's `scontrol requeue` ran (%s); the runs "
+                        "stay RUNNING for the requeued job", err)
+            raise SystemExit(-1) from err
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         for member in driver.members.values() if driver is not None else []:
             if member.run is not None and member.run.status == "RUNNING":

@@ -106,6 +106,15 @@ def held_hint(job: str) -> str:
             f"`scontrol release {job}` lets it start again once the cause is fixed, `scancel {job}` gives it up")
 
 
+def requeue_under_way(error: BaseException) -> bool:
+    """Whether ``error`` is submitit's own ``scontrol requeue`` (its preemption handler's) killed by the requeue it
+    asked for: Slurm stops the job's processes as it requeues the job, and a ``scontrol`` that has not returned yet
+    dies with them, so submitit raises CalledProcessError (a negative return code: the signal) although the job is
+    requeued and will resume. Such a job was preempted; it did not fail."""
+    return (isinstance(error, subprocess.CalledProcessError) and error.returncode < 0
+            and [str(word) for word in error.cmd[:2]] == ["scontrol", "requeue"])
+
+
 def process_alive(pid: int) -> bool:
     """Whether a process of this machine with ``pid`` exists (pid reuse aside)."""
     try:

@@ -5,6 +5,8 @@ a second per job (the real-model versions of these are in test_local_training.py
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
 
 import pytest
 from support.memory_backend import factory
@@ -177,6 +179,26 @@ def test_a_failing_update_closes_every_run_failed(make_job):
     assert {r.info.status for r in model_runs(job.client, job.run_id).values()} == {"FAILED"}
     cfg, again = make_job("method=graft")                       # a re-launch resumes the failed run
     assert again.resumed and again.run_id == job.run_id
+
+
+def test_a_requeue_that_stops_its_own_scontrol_is_a_preemption(make_job):
+    """submitit's preemption handler runs ``scontrol requeue``; Slurm stops the job's processes as it requeues, the
+    ``scontrol`` among them when it has not returned yet, and submitit raises CalledProcessError (return code: minus
+    the signal) into the training. The job leaves as a preempted one (SystemExit, its runs RUNNING for the requeued
+    job to resume); a ``scontrol requeue`` that failed on its own is a failure."""
+    cfg, job = make_job("method=graft")
+    stopped = subprocess.CalledProcessError(-signal.SIGTERM, ["scontrol", "requeue", "3"])
+    with pytest.raises(SystemExit):
+        fit(cfg, job, fail_update_at=1, failure=stopped)
+    assert job.status == "RUNNING"
+    assert {r.info.status for r in model_runs(job.client, job.run_id).values()} == {"RUNNING"}
+    cfg, again = make_job("method=graft")
+    assert again.resumed and again.run_id == job.run_id
+    refused = subprocess.CalledProcessError(1, ["scontrol", "requeue", "3"])   # e.g. a job Slurm does not know
+    cfg, job = make_job("method=graft", "seed=1")
+    with pytest.raises(subprocess.CalledProcessError):
+        fit(cfg, job, fail_update_at=1, failure=refused)
+    assert job.status == "FAILED"
 
 
 def test_the_backend_is_closed_however_the_job_ends(make_job):

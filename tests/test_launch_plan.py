@@ -70,3 +70,21 @@ def test_an_invalid_job_is_refused_before_any_store_is_touched(jobs_of, tmp_path
     refused = refusal_before_stores(jobs, cluster, OmegaConf.create({}), set())
     assert refused.startswith("invalid configuration, nothing launched:") and "job #1" in refused
     assert (tmp_path / "store.db").read_bytes() == before
+
+
+def test_a_submitit_job_whose_requeue_stopped_its_scontrol_leaves_as_preempted(monkeypatch):
+    """The same preemption as ``test_a_requeue_that_stops_its_own_scontrol_is_a_preemption``, landing outside the
+    training (Hydra hands the error to ``on_job_end``): the job exits as submitit does after its requeue, without
+    recording a failure."""
+    import signal
+    import subprocess
+
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from graft_exp.launching.callbacks import LaunchCallback
+
+    monkeypatch.setenv("SUBMITIT_FOLDER", "unused")
+    stopped = subprocess.CalledProcessError(-signal.SIGTERM, ["scontrol", "requeue", "3"])
+    with pytest.raises(SystemExit) as left:
+        LaunchCallback().on_job_end(OmegaConf.create(), JobReturn(status=JobStatus.FAILED, _return_value=stopped))
+    assert left.value.code == -1 and left.value.__cause__ is stopped

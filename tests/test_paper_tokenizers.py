@@ -21,6 +21,7 @@ from graft_exp.cache import cache_dir
 from graft_exp.config import MODELS_FILE
 from graft_exp.reward import reward
 from graft_exp.tiny.paper_vocab import SNAPSHOTS, TEMPLATES, build, why_unavailable
+from graft_exp.tiny.recipes import PAPER_VOCAB_RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow,
@@ -175,7 +176,7 @@ def test_a_paper_vocabulary_model_widens_to_the_distribution_it_trained(tmp_path
     from graft_exp.tiny.task import benchmark
 
     monkeypatch.setenv("GRAFT_CACHE", str(tmp_path))
-    recipe = dataclasses.replace(tiny.PAPER_VOCAB_RECIPES["tiny-llama3-vocab"], steps=3, batch=4, hidden=32,
+    recipe = dataclasses.replace(PAPER_VOCAB_RECIPES["tiny-llama3-vocab"], steps=3, batch=4, hidden=32,
                                  heads=1, layers=1, intermediate=64)
     tokenizer = tiny.build_tokenizer(recipe)
     small, used = tiny.warm_start_over_task_tokens(recipe, tokenizer)
@@ -207,7 +208,7 @@ def test_the_shipped_paper_vocabulary_models_match_their_recipes_and_solve_the_t
     from graft_exp.tiny.task import SKILLS, benchmark
 
     solved = {}
-    for key, recipe in tiny.PAPER_VOCAB_RECIPES.items():
+    for key, recipe in PAPER_VOCAB_RECIPES.items():
         assert (tiny.ASSETS / key / tiny.HASH_FILE).read_text().strip() == tiny.recipe_hash(recipe), key
         model, tokenizer = tiny.load(key, progress=False)
         assert model.config.vocab_size == SNAPSHOTS[recipe.extra["snapshot"]].vocab_size
@@ -222,7 +223,7 @@ def test_the_shipped_paper_vocabulary_models_match_their_recipes_and_solve_the_t
             texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
             solved[key, skill] = sum(reward(text, problem.answer) for text, problem in zip(texts, problems))
     print(solved)
-    for key in tiny.PAPER_VOCAB_RECIPES:
+    for key in PAPER_VOCAB_RECIPES:
         assert sum(solved[key, skill] for skill in SKILLS) >= 3, (key, solved)
 
 

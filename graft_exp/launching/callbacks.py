@@ -461,6 +461,8 @@ class LaunchCallback(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if job_return.status == JobStatus.FAILED and os.environ.get("SUBMITIT_FOLDER"):
+            if scheduler.requeue_under_way(job_return._return_value):   # preempted, not failed (driver.fit)
+                raise SystemExit(-1) from job_return._return_value
             exit_failed_submitit_job(job_return._return_value)
 
 

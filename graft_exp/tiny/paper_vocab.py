@@ -1,7 +1,7 @@
 """The paper models' real vocabularies, built offline from registry packages, with each snapshot's special-token
 table, ids and chat template as their published files give them (docs/verl.md, "Stop tokens of the paper
 models", says what each fact rests on). The tiny models of the paper's architectures (``PAPER_VOCAB_RECIPES`` of
-``graft_exp.tiny.models``) are built over them; the packages are in the ``dev`` extra.
+``graft_exp.tiny.recipes``) are built over them; the packages are in the ``dev`` extra.
 
 - Qwen3-1.7B-Base: Qwen's BPE ranks from ``dashscope`` 2.0.2 (``dashscope/resources/qwen.tiktoken``, 151,643 ranks,
   shared by Qwen2/2.5/3), Qwen2's split pattern (digits one by one), the 26 added tokens 151643-151668 with their

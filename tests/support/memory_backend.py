@@ -61,7 +61,8 @@ class MemoryBackend:
     best: dict[str, float] = field(default_factory=dict)
     updates: list[Update] = field(default_factory=list)
     gathered: int = 0
-    fail_update_at: int | None = None      # raise in update at this call (failure-state tests)
+    fail_update_at: int | None = None      # raise in update at this call (failure-state tests) ...
+    failure: Exception | None = None         # ... this error (a RuntimeError by default)
 
     def __post_init__(self):
         self.state = {role: 0.0 for role in self.roles}
@@ -116,7 +117,7 @@ class MemoryBackend:
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         spec = self.method.loss
         if self.fail_update_at is not None and len(self.updates) == self.fail_update_at:
-            raise RuntimeError("update failed (test)")
+            raise self.failure or RuntimeError("update failed (test)")
         self.updates.append(Update(role, spec, own, batch, minibatches, source, capability_ratio))
         rows = [r for groups in minibatches for r in batch.rows_in(groups)]
         self.state[role] += sum(r.advantage * r.weight for r in rows)
