@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from graft_exp.config import folder_problem
-from graft_exp.tiny.models import ASSETS, all_recipes, build
+from graft_exp.tiny.models import ASSETS, build
+from graft_exp.tiny.recipes import all_recipes
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """The tiny heterogeneous models: deterministic build (supervised warm-start), cache, load.
 
-Each model is described by a ``TinyRecipe`` (``graft_exp.tiny.recipes``): architecture, tokenizer and the supervised warm-start
-(skill mix, steps, optimiser). The recipes train on *different* skill mixes so that each model
+Each model is described by a ``TinyRecipe`` (``graft_exp.tiny.recipes``): architecture, tokenizer and the
+supervised warm-start (skill mix, steps, optimiser). The recipes train on *different* skill mixes so that each model
 solves prompts the others fail, the complementarity GRAFT exploits: the tiny pair (A, B) and a
 third model for groups (``conf/group/tiny3.yaml``), each strong on two of the four skills. A built model is stored under a
 directory named by the content hash of its recipe and of the task data it was trained on, so a

@@ -75,8 +75,8 @@ RECIPES: dict[str, TinyRecipe] = {
 #: the ``dev`` extra's packages): small in everything but the vocabulary, warm-started on the tiny task in the prompt
 #: format chosen for the paper model each stands for (``extra["template"]``, a file of ``graft_exp/formats/``, where the
 #: Base snapshot ships none). What is shipped is each model over the task's tokens (a few MB,
-#: ``warm_start_over_task_tokens``); ``locate`` widens it to the whole vocabulary once into the cache (a 128k-152k-row
-#: embedding is most of each, 66-78 MB). verl's tier with vLLM trains the first two as its pair
+#: ``models.warm_start_over_task_tokens``); ``models.locate`` widens it to the whole vocabulary once into the cache
+#: (a 128k-152k-row embedding is most of each, 66-78 MB). verl's tier with vLLM trains the first two as its pair
 #: (``pair=tiny_paper_vocab``): Qwen's vocabulary in Qwen3's format against Llama 3's with SmolLM3's turn markers in
 #: ChatML (its end of turn ``<|im_end|>`` special only in the added-token table), a native vLLM model against one vLLM
 #: serves through its Transformers backend (SmolLM3). The third, OctoThinker's Llama in the Llama 3 header format, is
