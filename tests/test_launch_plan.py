@@ -1,16 +1,20 @@
 """``launching.callbacks.plan`` and ``refusal_before_stores``: what launching a multirun does, decided from its
 jobs (composed as the launcher composes them) and what the stores hold, without Hydra's multirun or any side
-effect; ``LaunchCallback`` only applies it (tests/test_resources.py, test_local_multirun.py run it through Hydra)."""
+effect; ``LaunchCallback`` only applies it (tests/test_resources.py, test_local_multirun.py run it through Hydra),
+and its ``on_job_end`` tells a preempted submitit job from a failed one."""
 
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
 
 import pytest
+from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from graft_exp import scheduler, tracking
-from graft_exp.launching.callbacks import LaunchPlan, PlannedJob, plan, refusal_before_stores
+from graft_exp.launching.callbacks import LaunchCallback, LaunchPlan, PlannedJob, plan, refusal_before_stores
 
 
 @pytest.fixture
@@ -76,13 +80,6 @@ def test_a_submitit_job_whose_requeue_stopped_its_scontrol_leaves_as_preempted(m
     """The same preemption as ``test_a_requeue_that_stops_its_own_scontrol_is_a_preemption``, landing outside the
     training (Hydra hands the error to ``on_job_end``): the job exits as submitit does after its requeue, without
     recording a failure."""
-    import signal
-    import subprocess
-
-    from hydra.core.utils import JobReturn, JobStatus
-
-    from graft_exp.launching.callbacks import LaunchCallback
-
     monkeypatch.setenv("SUBMITIT_FOLDER", "unused")
     stopped = subprocess.CalledProcessError(-signal.SIGTERM, ["scontrol", "requeue", "3"])
     with pytest.raises(SystemExit) as left:
