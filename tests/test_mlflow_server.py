@@ -4,7 +4,6 @@ twice as many jobs as the CI machine has cores) and every metric of every job is
 server stops a sweep before anything is launched."""
 
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support.ports import free_port
 
 from graft_exp.server import read_credentials
 from graft_exp.sweep import plan
@@ -27,12 +27,6 @@ STEPS = 3
 SHORT = [f"train.max_steps={STEPS}", "method.n=2", "train.batch_prompts=4", "train.minibatch_prompts=2",
          "eval.val_every=3", "eval.runs=1", "eval.samples=1", "eval.max_problems=4", "backend.progress=false",
          "train.save_every=3"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def postgres_installed() -> bool:

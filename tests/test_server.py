@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 from mlflow.tracking import MlflowClient
+from support.ports import free_port
 from support.private_slurm import free_subnet
 
 from graft_exp import server as srv
@@ -53,12 +53,6 @@ def why_not_runnable() -> str | None:
     if not any(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
         return "PostgreSQL is not installed (CI installs Debian's `postgresql` in .ci/run)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -7,6 +7,7 @@ Slurm answering on this machine, the suite's jobs land only on its own cluster. 
 
 import os
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support import ports, private_slurm
 from support.private_slurm import PrivateSlurm
 
 from graft_exp import scheduler
@@ -300,3 +302,25 @@ def test_suite_never_submits_to_a_slurm_it_did_not_start(own_slurm, tmp_path):
         assert "_slurm_rpc_submit_batch_job" in own.read_text()
     finally:
         decoy.stop()
+
+
+def test_a_cluster_whose_ports_are_taken_before_its_daemons_bind_them_comes_up_on_others(own_slurm, tmp_path,
+                                                                                          monkeypatch):
+    """Between the choice of a port and a daemon's bind, another process can take it (seen in CI: a controller
+    that died on "Address already in use" while its port answered another protocol, and a 90-s wait in vain).
+    Here every port of the first attempt is held: the controller dies on it, the bring-up says so and starts
+    again on other ports, and the cluster answers."""
+    held = socket.socket()
+    held.bind(("", private_slurm.free_port()))
+    first_attempt = iter([held.getsockname()[1]] * 3)   # a one-node cluster asks for three ports (_write_config)
+    monkeypatch.setattr(private_slurm, "free_port", lambda: next(first_attempt, None) or ports.free_port())
+    cluster = PrivateSlurm(tmp_path / "busy", nodes=1, gpus=0, netns=False)
+    try:
+        cluster.start()
+        assert cluster.run("sinfo", "-h", "-o", "%T").stdout.split() == ["idle"]
+        died = (tmp_path / "busy" / "log" / "slurmctld.log.attempt1").read_text()
+        assert "fatal: slurm_init_msg_engine_port error Address already in use" in died
+        assert f"SlurmctldPort={held.getsockname()[1]}\n" not in cluster.conf.read_text()
+    finally:
+        cluster.stop()
+        held.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support.ports import free_port
 
 from graft_exp import tracking
 from graft_exp.costs import accounted_gpus
@@ -35,12 +36,6 @@ def job_cfg(compose_cfg, uri):
 @pytest.fixture
 def cfg(job_cfg):
     return job_cfg("method=graft", "seed=3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_missing_store_directory_fails_with_the_fix():

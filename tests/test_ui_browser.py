@@ -10,7 +10,6 @@ docs/tracking.md's images come from them). Install the browser with ``apt-get in
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,12 +52,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port
 
 
 @pytest.fixture(scope="module")

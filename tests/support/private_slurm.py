@@ -37,14 +37,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+if not __package__:   # run by path: tests/ on the path, as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support.ports import free_port
+
 # Debian packages: slurm-wlm, munge, iproute2 (ip) and util-linux (nsenter, unshare).
 REQUIRED = ("munged", "slurmctld", "slurmd", "sbatch", "ip", "nsenter", "unshare")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def why_not_startable() -> str | None:
@@ -79,6 +77,10 @@ def free_subnet(within: str, prefix: int) -> ipaddress.IPv4Network:
         if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
             return net
     raise RuntimeError(f"no free /{prefix} in {within} for a test network")
+
+
+class PortTaken(RuntimeError):
+    """A daemon of the cluster could not bind its port: another process took it first."""
 
 
 @dataclass
@@ -125,7 +127,22 @@ class PrivateSlurm:
                               timeout=60)
 
     # --- bring-up --------------------------------------------------------------------------------
-    def start(self) -> PrivateSlurm:
+    def start(self, attempts: int = 3) -> PrivateSlurm:
+        """Bring the cluster up; a daemon that lost its port to another process between the choice of ports and
+        its bind (``ports.free_port``) is started again, on other ports, up to ``attempts`` times."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._bring_up()
+            except PortTaken as err:
+                if attempt == attempts:
+                    raise
+                print(f"private Slurm: {err}; again on other ports", file=sys.stderr)
+                for log in (self.root / "log").glob("slurm*.log"):
+                    log.rename(log.with_name(f"{log.name}.attempt{attempt}"))
+                self.members, self.bridge, self.ctld_addr = [], None, "127.0.0.1"
+        raise AssertionError("unreachable")
+
+    def _bring_up(self) -> PrivateSlurm:
         self.root = Path(self.root).resolve()
         for sub in ("munge", "ctld", "log"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -264,6 +281,7 @@ class PrivateSlurm:
         deadline = time.monotonic() + timeout
         states = ""
         while time.monotonic() < deadline:
+            self._raise_on_fatal()
             done = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
             states = done.stdout + done.stderr
             node_states = [line.split()[-1] for line in done.stdout.splitlines()]
@@ -276,10 +294,22 @@ class PrivateSlurm:
         raise RuntimeError(f"private Slurm did not come up in {timeout} s: {states.strip()!r}; "
                            f"logs in {self.root / 'log'}")
 
+    def _raise_on_fatal(self) -> None:
+        """A daemon that died on start says why in its log (``fatal: ...``); waiting on it is in vain, and a
+        port taken meanwhile is worth another try (``start``)."""
+        for log in (self.root / "log").glob("slurm*.log"):
+            fatal = _fatal(log)
+            if fatal and "Address already in use" in fatal:
+                raise PortTaken(f"{log.name}: {fatal}")
+            if fatal:
+                raise RuntimeError(f"private Slurm: {log.name}: {fatal}; logs in {self.root / 'log'}")
+
     # --- tear-down -------------------------------------------------------------------------------
     def stop(self) -> None:
         """Cancel this cluster's jobs, stop its daemons, remove its namespaces, bridge and socket directory."""
-        if self.conf.exists() and (self.root / "slurmctld.pid").exists():
+        # A controller that died (or is dying) on start would keep scancel trying to reach it for 18 s.
+        if (self.conf.exists() and _alive(self.root / "slurmctld.pid")
+                and not _fatal(self.root / "log" / "slurmctld.log")):
             self.run("scancel", "--full", "--user=root", check=False)
         for node in self.members:
             _kill_pidfile(self.root / f"slurmd-{node.name}.pid")
@@ -326,13 +356,33 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
+def _fatal(log: Path) -> str | None:
+    """The last ``fatal:`` message of a Slurm daemon's log, or None."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    fatal = [line.split("fatal:", 1)[1].strip() for line in lines if "fatal:" in line]
+    return fatal[-1] if fatal else None
+
+
+def _pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(path: Path) -> bool:
+    """Whether the daemon whose pid ``path`` holds still runs."""
+    pid = _pid(path)
+    return pid is not None and _signal(pid, 0)
+
+
 def _kill_pidfile(path: Path, timeout: float = 20) -> None:
     """SIGTERM the daemon whose pid ``path`` holds (it is ours: the file is in our directory), wait for it."""
-    try:
-        pid = int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return
-    if not _signal(pid, 15):
+    pid = _pid(path)
+    if pid is None or not _signal(pid, 15):
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

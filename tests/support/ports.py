@@ -1,0 +1,38 @@
+"""Ports for the servers the tests start (Slurm's daemons, mlflow server, PostgreSQL, a browser's UI).
+
+A port asked of the kernel (``bind(("", 0))``) comes from its ephemeral range, which every outgoing connection on
+the machine also draws from: between the test closing its probe socket and the server binding the port, Ray's or
+vLLM's traffic in the other worker can take it, and the server dies with "Address already in use" (seen in CI: a
+private Slurm's controller). These ports come from below that range and above Ray's worker ports (10002-19999), a
+band nothing on the machine hands out by itself.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+RAY_WORKER_PORTS_END = 19999
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (32768 unless configured)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port no socket of this machine holds now, from the band between Ray's worker ports and the ephemeral
+    range, chosen at random so that two workers asking at once rarely draw the same one."""
+    band = range(RAY_WORKER_PORTS_END + 1, max(ephemeral_start(), RAY_WORKER_PORTS_END + 1001))
+    for port in random.sample(band, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {band.start}-{band.stop - 1}")
