@@ -311,9 +311,9 @@ def test_a_cluster_whose_ports_are_taken_before_its_daemons_bind_them_comes_up_o
     Here every port of the first attempt is held: the controller dies on it, the bring-up says so and starts
     again on other ports, and the cluster answers."""
     held = socket.socket()
-    held.bind(("", private_slurm.free_port()))
-    first_attempt = iter([held.getsockname()[1]] * 3)   # a one-node cluster asks for three ports (_write_config)
-    monkeypatch.setattr(private_slurm, "free_port", lambda: next(first_attempt, None) or ports.free_port())
+    held.bind(("", ports.free_port()))
+    draws = iter([lambda count: [held.getsockname()[1]] * count])   # the first attempt's ports: all the held one
+    monkeypatch.setattr(private_slurm, "free_ports", lambda count: next(draws, ports.free_ports)(count))
     cluster = PrivateSlurm(tmp_path / "busy", nodes=1, gpus=0, netns=False)
     try:
         cluster.start()

@@ -24,15 +24,22 @@ def ephemeral_start() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A port no socket of this machine holds now, from the band between Ray's worker ports and the ephemeral
-    range, chosen at random so that two workers asking at once rarely draw the same one."""
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports no socket of this machine holds now, from the band between Ray's worker ports
+    and the ephemeral range, chosen at random so that two workers asking at once rarely draw the same."""
     band = range(RAY_WORKER_PORTS_END + 1, max(ephemeral_start(), RAY_WORKER_PORTS_END + 1001))
-    for port in random.sample(band, 200):
+    chosen = []
+    for port in random.sample(band, 200 + count):
         with socket.socket() as probe:
             try:
                 probe.bind(("", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError(f"no free port in {band.start}-{band.stop - 1}")
+        chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    raise RuntimeError(f"not {count} free ports in {band.start}-{band.stop - 1}")
+
+
+def free_port() -> int:
+    return free_ports(1)[0]

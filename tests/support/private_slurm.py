@@ -39,7 +39,7 @@ from pathlib import Path
 
 if not __package__:   # run by path: tests/ on the path, as under pytest
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.ports import free_port
+from support.ports import free_ports
 
 # Debian packages: slurm-wlm, munge, iproute2 (ip) and util-linux (nsenter, unshare).
 REQUIRED = ("munged", "slurmctld", "slurmd", "sbatch", "ip", "nsenter", "unshare")
@@ -129,7 +129,7 @@ class PrivateSlurm:
     # --- bring-up --------------------------------------------------------------------------------
     def start(self, attempts: int = 3) -> PrivateSlurm:
         """Bring the cluster up; a daemon that lost its port to another process between the choice of ports and
-        its bind (``ports.free_port``) is started again, on other ports, up to ``attempts`` times."""
+        its bind (``ports.free_ports``) is started again, on other ports, up to ``attempts`` times."""
         for attempt in range(1, attempts + 1):
             try:
                 return self._bring_up()
@@ -213,12 +213,14 @@ class PrivateSlurm:
 
     def _write_config(self) -> None:
         root, host = self.root, socket.gethostname().split(".")[0]
-        node_port = free_port()
+        # Distinct ports: one for the controller, one per node (nodes in namespaces are hosts of their own and
+        # share theirs). Seen in CI: a node drawn its controller's port answers sinfo "Invalid argument".
+        ctld_port, *node_ports = free_ports(1 + len(self.members))
         lines = [
             f"ClusterName={self.cluster}",
             # slurmctld only runs on a host whose name is listed; the address is where slurmd reach it.
             f"SlurmctldHost={host}({self.ctld_addr})",
-            f"SlurmctldPort={free_port()}",
+            f"SlurmctldPort={ctld_port}",
             "SlurmUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
@@ -249,8 +251,8 @@ class PrivateSlurm:
             "MpiDefault=none",
         ]
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
-        for node in self.members:
-            lines.append(f"NodeName={node.name} NodeAddr={node.addr} Port={node_port if node.netns else free_port()} "
+        for node, port in zip(self.members, node_ports):
+            lines.append(f"NodeName={node.name} NodeAddr={node.addr} Port={node_ports[0] if node.netns else port} "
                          f"CPUs={self.cpus} RealMemory={self.mem_mb}{gres} State=UNKNOWN")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
