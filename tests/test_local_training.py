@@ -31,18 +31,26 @@ def make_job(compose_cfg, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
-def test_one_step_of_every_method_changes_the_parameters(make_job, method):
-    cfg, job = make_job(f"method={method}")
-    trainer = driver.Driver(cfg, job, local.LocalBackend)
-    policies = trainer.backend.policies
-    before = {role: [p.detach().clone() for p in policy.model.parameters()] for role, policy in policies.items()}
-    metrics, job_metrics = trainer.co_train_step(1)
-    for role, policy in policies.items():
-        changed = any(not torch.equal(a, b) for a, b in zip(before[role], policy.model.parameters()))
-        assert changed, f"{method}: model {role} did not change"
-        assert 0.0 <= metrics[role]["train/reward_mean"] <= 1.0
-    assert job_metrics["cost/gpu_hours"] > 0
+def test_one_step_of_every_kind_of_update_changes_the_parameters(make_job, compose_cfg):
+    """The local backend is sent one kind of update per receiver loss (its ``LossSpec``), sampling and co-training;
+    methods that differ only in what the driver selects send the same kind (their batches: test_driver_routing).
+    One method of each kind, from the registry, trains a step on the tiny pair and changes both models."""
+    kinds: dict[tuple, list[str]] = {}
+    for name in METHODS:
+        method = methods.resolve(compose_cfg(f"method={name}").method)
+        kinds.setdefault((repr(method.loss), method.config.sampling, method.co_train), []).append(name)
+    assert len(kinds) >= 8   # GRPO, DAPO's sampling, GRAFT, its sequence ratio, LUFFY, a peer scale, SGT, HACPO
+    for method, *same_kind in kinds.values():
+        cfg, job = make_job(f"method={method}")   # one store: each method its own run key
+        trainer = driver.Driver(cfg, job, local.LocalBackend)
+        policies = trainer.backend.policies
+        before = {role: [p.detach().clone() for p in policy.model.parameters()] for role, policy in policies.items()}
+        metrics, job_metrics = trainer.co_train_step(1)
+        for role, policy in policies.items():
+            changed = any(not torch.equal(a, b) for a, b in zip(before[role], policy.model.parameters()))
+            assert changed, f"{method} (and {same_kind}): model {role} did not change"
+            assert 0.0 <= metrics[role]["train/reward_mean"] <= 1.0
+        assert job_metrics["cost/gpu_hours"] > 0
 
 
 @pytest.mark.slow
