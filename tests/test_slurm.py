@@ -307,7 +307,7 @@ def test_suite_never_submits_to_a_slurm_it_did_not_start(own_slurm, tmp_path):
 def test_a_cluster_whose_ports_are_taken_before_its_daemons_bind_them_comes_up_on_others(own_slurm, tmp_path,
                                                                                           monkeypatch):
     """Between the choice of a port and a daemon's bind, another process can take it (seen in CI: a controller
-    that died on "Address already in use" while its port answered another protocol, and a 90-s wait in vain).
+    died on "Address already in use", its port held by its own node's slurmd, and the suite waited 90 s in vain).
     Here every port of the first attempt is held: the controller dies on it, the bring-up says so and starts
     again on other ports, and the cluster answers."""
     held = socket.socket()

@@ -1,10 +1,10 @@
 """Ports for the servers the tests start (Slurm's daemons, mlflow server, PostgreSQL, a browser's UI).
 
-A port asked of the kernel (``bind(("", 0))``) comes from its ephemeral range, which every outgoing connection on
-the machine also draws from: between the test closing its probe socket and the server binding the port, Ray's or
-vLLM's traffic in the other worker can take it, and the server dies with "Address already in use" (seen in CI: a
-private Slurm's controller). These ports come from below that range and above Ray's worker ports (10002-19999), a
-band nothing on the machine hands out by itself.
+Drawn distinct (seen in CI: a private Slurm's controller and its node drawn the same port, the node bound it
+first and the controller died on "Address already in use"), and from below the kernel's ephemeral range and
+above Ray's worker ports (10002-19999): a port the kernel hands out to a probe socket goes back to the range
+that every outgoing connection of the other worker (Ray, vLLM, mlflow clients) draws from, before the server
+binds it. Nothing on the machine hands out ports of this band by itself.
 """
 
 from __future__ import annotations

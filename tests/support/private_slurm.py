@@ -130,17 +130,15 @@ class PrivateSlurm:
     def start(self, attempts: int = 3) -> PrivateSlurm:
         """Bring the cluster up; a daemon that lost its port to another process between the choice of ports and
         its bind (``ports.free_ports``) is started again, on other ports, up to ``attempts`` times."""
-        for attempt in range(1, attempts + 1):
+        for attempt in range(1, attempts):
             try:
                 return self._bring_up()
             except PortTaken as err:
-                if attempt == attempts:
-                    raise
                 print(f"private Slurm: {err}; again on other ports", file=sys.stderr)
                 for log in (self.root / "log").glob("slurm*.log"):
                     log.rename(log.with_name(f"{log.name}.attempt{attempt}"))
                 self.members, self.bridge, self.ctld_addr = [], None, "127.0.0.1"
-        raise AssertionError("unreachable")
+        return self._bring_up()
 
     def _bring_up(self) -> PrivateSlurm:
         self.root = Path(self.root).resolve()
