@@ -137,7 +137,6 @@ class PrivateSlurm:
                 print(f"private Slurm: {err}; again on other ports", file=sys.stderr)
                 for log in (self.root / "log").glob("slurm*.log"):
                     log.rename(log.with_name(f"{log.name}.attempt{attempt}"))
-                self.members, self.bridge, self.ctld_addr = [], None, "127.0.0.1"
         return self._bring_up()
 
     def _bring_up(self) -> PrivateSlurm:
@@ -155,7 +154,6 @@ class PrivateSlurm:
                     print(f"private Slurm: no network namespaces ({err.stderr.strip()}); one local node",
                           file=sys.stderr)
                     self._remove_network()
-                    self.members, self.bridge, self.ctld_addr = [], None, "127.0.0.1"
             if not self.members:
                 self.members = [Node(f"{self.tag}n1", "127.0.0.1")]
             self._save()
@@ -331,6 +329,8 @@ class PrivateSlurm:
             subprocess.run(["ip", "netns", "del", node.netns], capture_output=True, check=False)
         if self.bridge:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        # The nodes go with their network: a later bring-up (the host-network fallback, a retry) starts afresh.
+        self.members, self.bridge, self.ctld_addr = [], None, "127.0.0.1"
 
     # --- state for the command line (stop in another process) ------------------------------------
     def _save(self) -> None:
