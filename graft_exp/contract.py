@@ -73,6 +73,11 @@ class Backend(Protocol):
     def devices(self, role: str) -> int:
         """The devices (GPUs; a CPU counts as one) model ``role`` holds while it works."""
 
+    def peak_flops(self, role: str) -> float | None:
+        """The dense bf16 peak FLOP/s of one device of model ``role``, from which the driver counts its ``perf/mfu``
+        (``costs.dense_peak``); None on a CPU, on a GPU of unknown peak, or where ``update`` reports its trainer's
+        own utilisation (``step_record.UPDATE_MFU``: verl)."""
+
     def model_config(self, role: str):
         """Model ``role``'s transformers config (its architecture and sizes: what ``costs.ModelFlops`` counts)."""
 

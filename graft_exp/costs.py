@@ -5,12 +5,15 @@ and the counted charge (``ModelFlops``), the FLOPs of the work a step does, coun
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
+
+from graft_exp.schema import PHASES
 
 
 def accounted_gpus(cfg: DictConfig) -> int:
@@ -27,21 +30,89 @@ def accounted_gpus(cfg: DictConfig) -> int:
     return max(int(cfg.pair.gpus), 1)
 
 
-class Timer:
-    """Busy seconds per role; ``shared`` work (reward checks, the exchange's bookkeeping) is split evenly."""
+_frames = threading.local()   # each thread's open phases, innermost last (the driver runs a pool per thread)
+
+
+class Timeline:
+    """A step's timeline (``schema.PHASES``, ``time/<phase>_s``): busy seconds per role and phase, read off the
+    host's clock around the calls that do the work. No device synchronisation is added: each timed call returns
+    when its work is done (a Ray call waits for its result, torch on a CPU is synchronous, and the local backend
+    reads a GPU's results back before it returns).
+
+    Phases nest: a backend marks the parts of a driver phase (``phase("logprob")`` inside ``generate``), and the
+    outer phase is paused meanwhile, so each second is counted once. Work for several roles at once (the
+    exchange's bookkeeping) is split evenly between them. ``intervals`` keeps every timed span
+    (role, phase, start, end), for the overlap of the pools' busy time."""
 
     def __init__(self, roles: Sequence[str]):
-        self.seconds = {role: 0.0 for role in roles}
+        self.seconds = {role: dict.fromkeys(PHASES, 0.0) for role in roles}   # schema.PHASES
+        self.intervals: list[tuple[str, str, float, float]] = []
 
     @contextmanager
-    def __call__(self, *roles: str):
-        started = time.perf_counter()
+    def __call__(self, name: str, *roles: str):
+        stack = _frames.__dict__.setdefault("stack", [])
+        now = time.perf_counter()
+        if stack:
+            stack[-1].pause(now)
+        stack.append(_Span(self, name, roles, now))
         try:
             yield
         finally:
-            share = (time.perf_counter() - started) / len(roles)
-            for role in roles:
-                self.seconds[role] += share
+            now = time.perf_counter()
+            stack.pop().pause(now)
+            if stack:
+                stack[-1].started = now
+
+    def busy(self, role: str) -> float:
+        """All of ``role``'s timed seconds in the step."""
+        return sum(self.seconds[role].values())
+
+
+@dataclass
+class _Span:
+    timeline: Timeline
+    name: str
+    roles: tuple[str, ...]
+    started: float
+
+    def pause(self, now: float) -> None:
+        share = (now - self.started) / len(self.roles)
+        for role in self.roles:
+            self.timeline.seconds[role][self.name] += share
+            self.timeline.intervals.append((role, self.name, self.started, now))
+        self.started = now
+
+
+@contextmanager
+def phase(name: str):
+    """Time the enclosed work as phase ``name`` of the roles the enclosing phase times (a backend's part of a
+    driver phase: ``with phase("sync"): ...``); nothing outside a driver's step (the tests' direct calls)."""
+    stack = getattr(_frames, "stack", None)
+    if not stack:
+        yield
+        return
+    with stack[-1].timeline(name, *stack[-1].roles):
+        yield
+
+
+#: Dense bf16 peak FLOP/s by GPU model, as verl's flops counter takes them (verl/utils/flops_counter.py: the H100's
+#: and H200's 989 TFLOP/s dense, not the 1,979 with sparsity): the denominator of the local backend's ``perf/mfu``.
+DENSE_BF16_PEAK = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362.05e12, "B200": 2.25e15, "GB200": 2.5e15}
+
+
+def dense_peak(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named ``device_name`` (``torch.cuda.get_device_name``: "NVIDIA H200"), or None
+    where it is not known (then no MFU is logged). The longest matching model name wins (GB200 over B200)."""
+    known = [name for name in DENSE_BF16_PEAK if name in device_name]
+    return DENSE_BF16_PEAK[max(known, key=len)] if known else None
+
+
+def mfu(flops: float, seconds: float, devices: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops`` done in ``seconds`` on ``devices`` GPUs of dense peak ``peak``."""
+    if peak is None or seconds <= 0:
+        return None
+    return flops / (seconds * devices * peak)
 
 
 def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_train: bool,

@@ -31,7 +31,7 @@ from graft_exp import methods, prompts, reward, scheduler, schema, step_record, 
 from graft_exp.algorithms import dynamic_sampling_batch_full, grpo_advantages
 from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
-from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timer, step_costs
+from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timeline, phase, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
 from graft_exp.methods.exchange import REPLAYED, plan_step
 from graft_exp.methods.receiver import PEER, ReceiverBatch, Scorer
@@ -129,6 +129,7 @@ class Exchanged:
     transfers: dict                       # (source, receiver) -> the mask of the prompts transferred
     scored: dict[str, Scored]             # what each receiver's scorer computed (the update's count, the log)
     metrics: dict[str, float]             # the job's exchange metrics
+    update_flops: dict[str, float]        # the counted work of each receiver's coming update
 
 
 # ---------------------------------------------------------------------------------------- the driver
@@ -197,7 +198,8 @@ class Driver:
         (eq. 1): for a model's own rollouts and for a replayed log alike."""
         n = len(responses[0])
         golds = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor(reward.rewards([r for group in responses for r in group], golds)).view(-1, n)
+        with phase("reward"):
+            rewards = torch.tensor(reward.rewards([r for group in responses for r in group], golds)).view(-1, n)
         return rewards, grpo_advantages(rewards, float(self.method.config.adv_eps))
 
     def rollout(self, role: str, problems: list, step: int, attempt: int = 0) -> Sampled:
@@ -246,25 +248,25 @@ class Driver:
     # -------------------------------------------------------------------- the step (Alg. 1)
     def co_train_step(self, step: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         """Alg. 1, one training step of every method: (each model's metrics, the job's metrics)."""
-        method, timer = self.method, Timer(self.members)
+        method, timeline = self.method, Timeline(self.members)
         started = time.perf_counter()
         self.work = dict.fromkeys(self.members, 0.0)   # this step's counted FLOPs per model
         # The shared prompt batch; none where each model draws its own (``method.sampling``: DAPO refills its batch).
         shared = None if method.sampling.own_prompts else self.streams["shared"].next(int(self.cfg.train.batch_prompts))
-        own = self.sample(step, shared, timer)
-        exchanged = self.exchange(step, own, timer)
-        orders, counts = self.update(step, own, exchanged, timer)
-        return self.record(step, own, exchanged, orders, counts, timer, started)
+        own = self.sample(step, shared, timeline)
+        exchanged = self.exchange(step, own, timeline)
+        orders, counts = self.update(step, own, exchanged, timeline)
+        return self.record(step, own, exchanged, orders, counts, timeline, started)
 
-    def sample(self, step: int, shared: list | None, timer: Timer) -> dict[str, Sampled]:
+    def sample(self, step: int, shared: list | None, timeline: Timeline) -> dict[str, Sampled]:
         """Alg. 1 "Sample n responses": n responses per prompt from each model on the ``shared`` prompts (DAPO,
         without them: each model refills its own batch), binary rewards, GRPO advantages (eq. 1)."""
         def draw(role):
-            with timer(role):
+            with timeline("generate", role):
                 return self.refilled_rollout(role, step) if shared is None else self.rollout(role, shared, step)
         return self.each(draw)
 
-    def exchange(self, step: int, own: dict[str, Sampled], timer: Timer) -> Exchanged:
+    def exchange(self, step: int, own: dict[str, Sampled], timeline: Timeline) -> Exchanged:
         """Alg. 1 "Select complementary groups" and "Replace selected groups" (``methods.exchange.plan_step``): which
         prompts (eq. 3), the source's whole groups scored by the receiver's old policy (eq. 8), gated weights
         (eq. 9), each receiver's rows. The driver adds what only the job holds: the replayed log's rollouts of this
@@ -272,9 +274,9 @@ class Driver:
         rates); and it counts the scoring's and the coming update's work."""
         method, roles = self.method, list(self.members)
         scored = {role: Scored() for role in roles}   # what each receiver's scorer computed, for the count and log
-        scorers = {role: self.counted(role, self.backend.scorer(role, own[role]), own[role], scored[role])
+        scorers = {role: self.counted(role, self.backend.scorer(role, own[role]), own[role], scored[role], timeline)
                    for role in roles}
-        with timer(*roles):
+        with timeline("score", *roles):
             rollouts = {role: s.rollouts for role, s in own.items()}
             ratios = method.peer_loss.capability_ratios({role: m.tracked for role, m in self.members.items()},
                                                         rollouts, {role: peers(self.cfg.pair, role)[0] for role in own})
@@ -286,19 +288,21 @@ class Driver:
             batches = {role: self.cut_copies(role, batch, sources[role]) for role, batch in batches.items()}
             exchanged = {schema.exchange_metric(s, r): float(mask.sum())
                          for (s, r), mask in transfers.items() if s != REPLAYED}
+        planned = {role: self.update_flops(role, batches[role], own[role], sources[role], scored[role])
+                   for role in roles}
         for role in roles:
-            self.work[role] += self.update_flops(role, batches[role], own[role], sources[role], scored[role])
-        return Exchanged(batches, sources, ratios, transfers, scored, exchanged)
+            self.work[role] += planned[role]
+        return Exchanged(batches, sources, ratios, transfers, scored, exchanged, planned)
 
     def update(self, step: int, own: dict[str, Sampled], exchanged: Exchanged,
-               timer: Timer) -> tuple[dict[str, list[list[int]]], dict[str, dict[str, float]]]:
+               timeline: Timeline) -> tuple[dict[str, list[list[int]]], dict[str, dict[str, float]]]:
         """Alg. 1 "Optimize": each receiver's batch in minibatches, in the method's order (peer groups last), one
         optimizer step each on the method's loss (eq. 10 for GRAFT; methods/objective.py). Returns (each receiver's
         minibatches, its update's counts)."""
         method, orders = self.method, {}
 
         def optimize(role):
-            with timer(role):
+            with timeline("update", role):
                 batch = exchanged.batches[role]
                 orders[role] = batch.minibatches(method, method.minibatch_prompts(self.cfg.train),
                                                  generator(self.cfg.seed, step, role, "order"))
@@ -308,28 +312,38 @@ class Driver:
         return orders, counts
 
     def record(self, step: int, own: dict[str, Sampled], exchanged: Exchanged, orders: dict[str, list[list[int]]],
-               counts: dict[str, dict[str, float]], timer: Timer,
+               counts: dict[str, dict[str, float]], timeline: Timeline,
                started: float) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         """Per-model metrics and the trajectory log (``step_record``), the step's GPU-hours and counted FLOPs; then,
-        not charged, the transfer log, with the receivers' successes after the update where the probe is on.
-        Returns (each model's metrics, the job's)."""
+        not charged, the transfer log, with the receivers' successes after the update where the probe is on; and
+        the step's timeline (``step_record.timeline_metrics``). Returns (each model's metrics, the job's)."""
         method, batches, sources = self.method, exchanged.batches, exchanged.sources
+        recording = time.perf_counter()
         metrics = {role: step_record.model_step(self.root, role, step, own[role], batches[role], counts[role],
                                                 self.peer_rollouts(role, own, sources[role]), method.loss,
                                                 bool(method.co_train)) for role in self.members}
-        job_metrics = {**exchanged.metrics, **self.charge(timer.seconds, time.perf_counter() - started, metrics)}
+        busy = {role: timeline.busy(role) for role in self.members}
+        job_metrics = {**exchanged.metrics, **self.charge(busy, time.perf_counter() - started, metrics)}
         if exchanged.transfers:
             probe = self.probe if self.cfg.train.probe_transfers else None
             for role, rows in step_record.transfer_log(self.root, step, own, batches, orders, exchanged.transfers,
                                                        sources, exchanged.scored, probe).items():
                 metrics[role].update(transfer_metrics(rows))
+        for role in self.members:
+            metrics[role].update(step_record.timeline_metrics(
+                timeline.seconds[role], recording - started, counts[role],
+                exchanged.update_flops[role], self.backend.devices(role), self.backend.peak_flops(role)))
+        ended = time.perf_counter()
+        job_metrics.update({schema.STEP_SECONDS: ended - started, schema.RECORD_SECONDS: ended - recording})
         return metrics, job_metrics
 
-    def counted(self, role: str, scorer: Scorer, own: Sampled, scored: Scored) -> Scorer:
-        """``scorer`` counting its work, a forward pass of the receiver over each scored peer response (prompt +
-        response in its tokens), and keeping what it computed in ``scored`` (the update's count, the transfer log)."""
+    def counted(self, role: str, scorer: Scorer, own: Sampled, scored: Scored, timeline: Timeline) -> Scorer:
+        """``scorer`` timed as the receiver's ``score`` phase, counting its work, a forward pass of the receiver over
+        each scored peer response (prompt + response in its tokens), and keeping what it computed in ``scored``
+        (the update's count, the transfer log)."""
         def score(prompts: list[int], source: Rollouts):
-            logp, tokens = scorer(prompts, source)
+            with timeline("score", role):
+                logp, tokens = scorer(prompts, source)
             for row, q in enumerate(prompts):
                 for i, count in enumerate(tokens[row].tolist()):
                     scored.keep(q, source, i, float(logp[row, i]), int(count))
@@ -418,11 +432,13 @@ class Driver:
         benchmarks = self.backend.benchmarks()
 
         def run(role):
-            return evaluate(self.backend.generate(role, step), benchmarks, int(ev.val_samples), float(ev.temperature),
-                            float(ev.top_p), derive_seed(self.cfg.seed, step, "val"))
-        for role, scores in self.each(run).items():
+            started = time.perf_counter()
+            scores = evaluate(self.backend.generate(role, step), benchmarks, int(ev.val_samples),
+                              float(ev.temperature), float(ev.top_p), derive_seed(self.cfg.seed, step, "val"))
+            return scores, time.perf_counter() - started
+        for role, (scores, seconds) in self.each(run).items():
             member = self.members[role]
-            member.log({schema.VAL + k: v for k, v in scores.items()}, step)
+            member.log({**{schema.VAL + k: v for k, v in scores.items()}, schema.VALIDATE_SECONDS: seconds}, step)
             if step > 0 and member.best.update(step, scores[AVG]):
                 self.backend.keep_best(role, step)
 
@@ -540,24 +556,26 @@ class Driver:
         """After the last step: each model's best checkpoint evaluated, its run closed (``finish_member``), and the
         job's score where every model was evaluated. Returns each model's mean final test scores."""
         results = self.each(self.final_evaluation)
-        scores = {role: self.finish_member(m, results[role]) for role, m in self.members.items()}
+        scores = {role: self.finish_member(m, *results[role]) for role, m in self.members.items()}
         if len(scores) == len(roles(self.cfg.pair)):   # a baseline job may have evaluated only some of its models
             self.job.log_metrics({schema.SCORE: job_score([s[AVG] for s in scores.values()])}, 0)
         return scores
 
-    def final_evaluation(self, role: str) -> list[dict[str, float]]:
-        """The best checkpoint's scores, R runs x k samples."""
-        ev = self.cfg.eval
+    def final_evaluation(self, role: str) -> tuple[list[dict[str, float]], float]:
+        """The best checkpoint's scores, R runs x k samples, and the seconds they took."""
+        ev, started = self.cfg.eval, time.perf_counter()
         self.backend.restore_best(role)
-        return final_evaluation(self.backend.generate(role, self.members[role].best.step), self.backend.benchmarks(),
-                                int(ev.runs), int(ev.samples), float(ev.temperature), float(ev.top_p),
-                                derive_seed(self.cfg.seed, "test"))
+        results = final_evaluation(self.backend.generate(role, self.members[role].best.step),
+                                   self.backend.benchmarks(), int(ev.runs), int(ev.samples), float(ev.temperature),
+                                   float(ev.top_p), derive_seed(self.cfg.seed, "test"))
+        return results, time.perf_counter() - started
 
-    def finish_member(self, member: Member, results: list[dict[str, float]]) -> dict[str, float]:
-        """Record the final evaluation, the artifacts, FINISHED."""
+    def finish_member(self, member: Member, results: list[dict[str, float]], seconds: float) -> dict[str, float]:
+        """Record the final evaluation (and its time), the artifacts, FINISHED."""
         for r, scores in enumerate(results):
             member.log({schema.TEST + k: v for k, v in scores.items()}, r)
-        member.log({schema.SCORE: checkpoint_score([scores[AVG] for scores in results])}, 0)
+        member.log({schema.SCORE: checkpoint_score([scores[AVG] for scores in results]),
+                    schema.TEST_SECONDS: seconds}, 0)
         if member.run is not None:
             member.run.set_tags({schema.BEST_STEP: member.best.step})
             traj = self.root / "trajectories" / member.role

@@ -76,9 +76,23 @@ JOB_METRICS = {
     "cost/flops": "every step: cumulative counted FLOPs of the training steps, the sum of its models'",
     "score": "at the end (step 0), when every model of the job was evaluated: the job's score (graft_exp.scores)",
     "time/checkpoint_s": "at each checkpoint: the seconds writing it took (every model's state, the loop's, the rename)",
+    "time/step_s": "every step: the training step's wall time (sampling to the record written; the GPU-hours' wall "
+                   "is this up to the trajectory log, before the transfer log)",
+    "time/record_s": "every step: writing the step's record (metrics, trajectory and transfer logs, the probe)",
     "exchange/A_to_B": "every step of an online co-trained method: prompts selected A -> B",
     "exchange/B_to_A": "every step of an online co-trained method: prompts selected B -> A",
     "exchange/<S>_to_<R>": "every step of an online co-trained group: prompts receiver R took from S, each ordered pair",
+}
+#: The phases of a step's timeline: each model's busy time in a step cut into what it was doing
+#: (``costs.Timeline``), the same on both backends. verl's trainer times its own stages the same way
+#: (``marked_timer`` -> ``timing_s/*``); these are the project's names.
+PHASES = {
+    "generate": "its rollouts in the engine",
+    "reward": "verifying its rollouts' answers, and a replayed log's",
+    "logprob": "its old log-probs where a pass of their own computes them (verl), and any reference-model pass",
+    "score": "scoring the peers' responses under its old policy, with the exchange's bookkeeping shared out",
+    "update": "its optimizer steps on the method's loss",
+    "sync": "its trainer's weights sent to its rollout engine (verl)",
 }
 #: Metrics of a model run: step = training step, except test/* (step = evaluation run 0..R-1).
 MODEL_METRICS = {
@@ -99,6 +113,14 @@ MODEL_METRICS = {
     "train/peer_copies_cut": "every step with peer rows: peer responses longer than this model's response limit in "
                              "its tokens (method.cut_copies: dropped, or trained as cut)",
     "cost/gpu_hours": "every step: cumulative, this model's cost (its share of a joint run)",
+    **{f"time/{phase}_s": f"every step: this model's busy seconds in the step's {phase} phase ({meaning}; "
+                          "docs/design.md \"The step's timeline\")" for phase, meaning in PHASES.items()},
+    "time/wait_s": "every step: the step's wall time before its record that this model's pool was not busy (waiting "
+                   "for the other models' phases)",
+    "time/validate_s": "validation steps: the seconds this model's validation took",
+    "time/test_s": "at the end (step 0): the seconds this model's final evaluation took",
+    "perf/mfu": "every step on a device with a known dense bf16 peak: model FLOPs utilisation of the update (verl: "
+                "verl's own, from its flops counter; local: counted FLOPs / (update device-seconds x the peak))",
     "cost/flops": "every step: cumulative counted FLOPs of this model's sampling, scoring and updates (costs.ModelFlops)",
     "transfers/admitted": "every step of a method that transfers: peer responses admitted into this model's update",
     "transfers/absorbed": "with train.probe_transfers: of its candidates (prompts it failed, the source solved) "
@@ -124,9 +146,19 @@ RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"
 SIGNAL_LEAD, CHECKPOINT_SECONDS = "graft.signal_lead_s", "time/checkpoint_s"
+STEP_SECONDS, RECORD_SECONDS, WAIT_SECONDS = "time/step_s", "time/record_s", "time/wait_s"
+VALIDATE_SECONDS, TEST_SECONDS, MFU = "time/validate_s", "time/test_s", "perf/mfu"
+
+
+def phase_metric(phase: str) -> str:
+    """A model's metric of its busy seconds in timeline phase ``phase`` (``costs.PHASES``)."""
+    return f"time/{phase}_s"
+
+
 #: Metrics measured on the clock, not computed: the same job run twice records other values (every other metric of
 #: a seeded job on the local backend repeats bit for bit).
-WALL_CLOCK = (GPU_HOURS, CHECKPOINT_SECONDS)
+WALL_CLOCK = (GPU_HOURS, CHECKPOINT_SECONDS, STEP_SECONDS, RECORD_SECONDS, WAIT_SECONDS, VALIDATE_SECONDS,
+              TEST_SECONDS, MFU, *map(phase_metric, PHASES))
 STUDY, METHOD, PAIR, SEED, BACKEND = "graft.study", "graft.method", "graft.pair", "graft.seed", "graft.backend"
 GIT_SHA, N, DATA_ORDER = "graft.git_sha", "graft.n", "graft.data_order"
 BUDGET, BUDGET_FLOPS, LAST_STEP = "graft.budget_gpu_hours", "graft.budget_flops", "graft.last_step"

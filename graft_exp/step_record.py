@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from graft_exp import schema
+from graft_exp.costs import mfu
 from graft_exp.contract import Sampled
 from graft_exp.methods.exchange import REPLAYED, peer_solved_frac, rollout_metrics
 from graft_exp.methods.objective import LossSpec
@@ -20,6 +21,8 @@ from graft_exp.transfers import write_step as write_transfers
 
 #: A backend's update result that is a measurement, not a count: the trainer's peak reserved GPU memory (GiB).
 GPU_PEAK = "gpu_peak_reserved_gb"
+#: Another: the update's model FLOPs utilisation as the trainer measured it (verl's own ``mfu``, on a GPU only).
+UPDATE_MFU = "mfu"
 #: The driver's probe: (receiver, step, its own sample, its (source, selected) pairs, the sources) -> {prompt: k}.
 Probe = Callable[[str, int, Sampled, list, dict[str, Rollouts]], dict[int, int]]
 
@@ -85,3 +88,17 @@ def transfer_log(root: Path, step: int, own: dict[str, Sampled], batches: dict[s
         write_transfers(root / "transfers" / receiver, step, parts)
         out[receiver] = {name: [v for part in parts for v in part[name]] for name in parts[0]}
     return out
+
+
+def timeline_metrics(seconds: dict[str, float], wall: float, counts: dict[str, float], update_flops: float,
+                     devices: int, peak: float | None) -> dict[str, float]:
+    """Model ``role``'s part of the step's timeline: its busy seconds per phase (``costs.Timeline.seconds[role]``),
+    ``time/wait_s`` (``wall``, the step up to its record, less its busy time) and ``perf/mfu``: the trainer's own
+    (``counts[UPDATE_MFU]``, verl's), else the update's counted FLOPs over its seconds on ``devices`` GPUs of dense
+    peak ``peak`` (None: a CPU or an unknown GPU, no MFU)."""
+    m = {schema.phase_metric(name): value for name, value in seconds.items()}
+    m[schema.WAIT_SECONDS] = max(wall - sum(seconds.values()), 0.0)
+    utilisation = counts.get(UPDATE_MFU, mfu(update_flops, seconds["update"], devices, peak))
+    if utilisation is not None:
+        m[schema.MFU] = utilisation
+    return m

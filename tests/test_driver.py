@@ -1,14 +1,18 @@
 """The driver's bookkeeping that no backend can check by itself: GPU-hours by the paper's rules
-(App. D; docs/design.md "GPU-hours") with known step timings, and the per-role timer."""
+(App. D; docs/design.md "GPU-hours") with known step timings, and the step's timeline on a test clock."""
 
 from __future__ import annotations
 
-import time
+import ast
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from graft_exp import driver
-from graft_exp.costs import Timer, step_costs
+from graft_exp import costs, driver, schema, step_record
+from graft_exp.costs import Timeline, phase, step_costs
+from support import optional
 
 
 def test_independent_models_pay_their_own_busy_time_on_their_own_gpus():
@@ -33,14 +37,89 @@ def test_a_co_trained_pair_pays_the_joint_run_and_the_shares_add_up():
     assert sum(shares.values()) == pytest.approx(joint)
 
 
-def test_timer_splits_shared_work_evenly():
-    timer = Timer(["A", "B"])
-    with timer("A"):
-        time.sleep(0.02)
-    with timer("A", "B"):
-        time.sleep(0.02)
-    assert timer.seconds["A"] > timer.seconds["B"] > 0.009
-    assert timer.seconds["A"] - timer.seconds["B"] == pytest.approx(0.02, abs=0.015)
+class Clock:
+    """``time.perf_counter`` that moves only when a test says so: the timeline's arithmetic, not the machine's."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(costs.time, "perf_counter", clock)
+    return clock
+
+
+def test_the_timeline_splits_shared_work_and_counts_a_nested_phase_once(clock):
+    timeline = Timeline(["A", "B"])
+    with timeline("generate", "A"):
+        clock.advance(3.0)
+        with phase("logprob"):            # a backend's part of the driver's phase: the outer one pauses
+            clock.advance(2.0)
+        clock.advance(1.0)
+    with timeline("score", "A", "B"):      # the exchange's bookkeeping, for both
+        clock.advance(1.0)
+        with timeline("score", "B"):      # B's scorer
+            clock.advance(4.0)
+    assert timeline.seconds["A"] == {**dict.fromkeys(schema.PHASES, 0.0), "generate": 4.0, "logprob": 2.0,
+                                     "score": 0.5}
+    assert timeline.seconds["B"]["score"] == 4.5
+    assert timeline.busy("A") == 6.5 and timeline.busy("B") == 4.5
+    # every span kept, for the pools' overlap: A's generate in two pieces around its logprob pass
+    assert [(r, p, end - start) for r, p, start, end in timeline.intervals if r == "A"][:3] == [
+        ("A", "generate", 3.0), ("A", "logprob", 2.0), ("A", "generate", 1.0)]
+
+
+def test_a_phase_outside_a_step_times_nothing_and_threads_keep_their_own(clock):
+    with phase("sync"):                    # a backend called directly (tests, the preflight's tools)
+        clock.advance(1.0)
+    timeline = Timeline(["A", "B"])
+
+    def work(role):
+        with timeline("update", role):
+            with phase("logprob"):
+                clock.advance(0.5)
+        return role
+    with ThreadPoolExecutor(2) as pool:   # the driver's pool: each thread's phases are its own
+        assert list(pool.map(work, ["A", "B"])) == ["A", "B"]
+    assert {r: timeline.seconds[r]["logprob"] for r in "AB"} == {"A": 0.5, "B": 0.5}
+    assert timeline.busy("A") == timeline.busy("B") == 0.5
+
+
+def test_timeline_metrics_wait_and_mfu():
+    seconds = {**dict.fromkeys(schema.PHASES, 0.0), "generate": 4.0, "update": 2.0}
+    # a CPU: no peak, no MFU; the wait is the step (before its record) less the model's busy time
+    m = step_record.timeline_metrics(seconds, 10.0, {}, update_flops=4e12, devices=2, peak=None)
+    assert m[schema.WAIT_SECONDS] == 4.0 and schema.MFU not in m and m["time/update_s"] == 2.0
+    # the local backend on an H200: counted FLOPs over the update's device-seconds at the dense peak
+    m = step_record.timeline_metrics(seconds, 10.0, {}, update_flops=989e12, devices=2,
+                                     peak=costs.dense_peak("NVIDIA H200"))
+    assert m[schema.MFU] == pytest.approx(0.25)
+    # verl's own figure wins where its update reported one
+    assert step_record.timeline_metrics(seconds, 6.0, {step_record.UPDATE_MFU: 0.31}, 1.0, 2, None)[schema.MFU] == 0.31
+
+
+def test_dense_peaks_are_verls():
+    """verl's own table, read from its source (importing verl takes seconds): the local backend's MFU divides by the
+    peaks verl's update divides by."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None:
+        pytest.skip(optional.WITHOUT_VERL)
+    source = (Path(spec.origin).parent / "utils" / "flops_counter.py").read_text()
+    table = next(node.value for node in ast.parse(source).body if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], "id", "") == "_DEVICE_FLOPS")
+    verls = ast.literal_eval(table)
+    for name, peak in costs.DENSE_BF16_PEAK.items():
+        assert verls[name] == peak, name
+    assert costs.dense_peak("NVIDIA H100 80GB HBM3") == 989e12 and costs.dense_peak("NVIDIA GB200") == 2.5e15
+    assert costs.dense_peak("Intel Xeon") is None
 
 
 def test_paper_step_count_drops_the_last_partial_batch_of_each_epoch(compose_cfg):

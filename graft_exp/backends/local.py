@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from graft_exp.backends.local_policy import LocalPolicy
 from graft_exp.contract import Generation, Sampled
-from graft_exp.costs import accounted_gpus
+from graft_exp.costs import accounted_gpus, dense_peak, phase
 from graft_exp.methods import Method
 from graft_exp.methods.objective import COUNT_METRICS, NllRows, receiver_loss, row_column_values
 from graft_exp.methods.receiver import PEER, ReceiverBatch, Scorer
@@ -97,6 +97,9 @@ class LocalBackend:
 
     def devices(self, role: str) -> int:
         return self.gpus
+
+    def peak_flops(self, role: str) -> float | None:
+        return dense_peak(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
 
     def model_config(self, role: str):
         return self.policies[role].model.config
@@ -179,7 +182,7 @@ class LocalBackend:
             if "minibatch_index" in needs:
                 columns["minibatch_index"] = index
             if spec.needs_reference_model:
-                with torch.no_grad():
+                with torch.no_grad(), phase("logprob"):
                     columns["ref_log_prob"], _ = policy.token_log_probs(prompt_ids, response_ids,
                                                                         model=self.references[role])
             if nll:

@@ -63,6 +63,7 @@ class MemoryBackend:
     gathered: int = 0
     fail_update_at: int | None = None      # raise in update at this call (failure-state tests) ...
     failure: Exception | None = None         # ... this error (a RuntimeError by default)
+    peak: float | None = None                # a device's dense peak FLOP/s (perf/mfu); None: a CPU
 
     def __post_init__(self):
         self.state = {role: 0.0 for role in self.roles}
@@ -76,6 +77,9 @@ class MemoryBackend:
 
     def devices(self, role: str) -> int:
         return 1
+
+    def peak_flops(self, role: str) -> float | None:
+        return self.peak   # None (a CPU) unless a test gives the backend a GPU's peak
 
     def model_config(self, role: str):
         """A small Llama shape for the counted charge (a character per token, as ``sample`` counts them)."""

@@ -33,6 +33,7 @@ from graft_exp.backends.verl.runtime import VerlModel, start_models
 from graft_exp.backends.verl.seeded_agent import SEED_COLUMN, STOP_COLUMN
 from graft_exp.config import total_steps
 from graft_exp.contract import Generation, Sampled
+from graft_exp.costs import phase
 from graft_exp.methods import Method
 from graft_exp.methods.objective import COUNT_METRICS, row_column_values
 from graft_exp.methods.receiver import ReceiverBatch, Scorer
@@ -40,7 +41,7 @@ from graft_exp.prompts import job_prompt_date, pin_template_date, reads_the_cloc
 from graft_exp.resources import BEST_CONTENTS
 from graft_exp.rollouts import Rollouts
 from graft_exp.seeds import derive_seed
-from graft_exp.step_record import GPU_PEAK
+from graft_exp.step_record import GPU_PEAK, UPDATE_MFU
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ class VerlBackend:
     def devices(self, role: str) -> int:
         return self.models[role].gpus
 
+    def peak_flops(self, role: str) -> None:
+        return None   # verl's update reports its own (UPDATE_MFU), from verl's flops counter
+
     def model_config(self, role: str):
         return AutoConfig.from_pretrained(self.models[role].config.actor_rollout_ref.model.path)
 
@@ -199,7 +203,8 @@ class VerlBackend:
         self.step = step
         out, texts, finished = self._generate(role, self.prompt_batch(self.train_set, [p.row for p in problems]),
                                               n, seed, validate=False)
-        out.batch["old_log_probs"] = self.models[role].log_probs(out)
+        with phase("logprob"):
+            out.batch["old_log_probs"] = self.models[role].log_probs(out)
         logp_sum, num_tokens = sequence_log_prob_sums(out.batch["old_log_probs"], out.batch["response_mask"])
         return Generation(responses=[texts[q * n:(q + 1) * n] for q in range(len(problems))],
                           logp_sum=logp_sum.double().view(-1, n), num_tokens=num_tokens.view(-1, n),
@@ -224,18 +229,24 @@ class VerlBackend:
                source: Rollouts | None, capability_ratio: float) -> dict[str, float]:
         """The receiver batch as verl rows, cut into the driver's minibatches, one ``update_actor`` each."""
         model, scorer, spec = self.models[role], self.scorers[role], self.method.loss
-        peer_rows = scorer.score(batch.nll, source) if batch.nll else scorer.scored   # SGT scores its NLL rows only
+        with phase("score"):   # SGT scores its NLL rows only, here
+            peer_rows = scorer.score(batch.nll, source) if batch.nll else scorer.scored
         rows = vb.receiver_batch(own.data, self.n, peer_rows, batch,
                                  lambda part: row_column_values(spec, part, own.rollouts, source, capability_ratio))
         if spec.needs_reference_model:
-            rows.batch["ref_log_prob"] = model.log_probs(rows, reference=True)
+            with phase("logprob"):
+                rows.batch["ref_log_prob"] = model.log_probs(rows, reference=True)
         raw = model.update_minibatches(vb.minibatch_layout(rows, minibatches, dp_size=model.dp_size,
                                                            sequence_mean=spec.sequence_level))
         losses = raw.get("actor/pg_loss", [])
+        # what the preflight holds against the plan's train term (0 on CPU: no CUDA allocator)
+        peak = float(max(raw.get("perf/max_memory_reserved_gb", [0.0])))
+        # verl's own MFU of the update (its flops counter, the GPU's dense peak); on a CPU it divides by a nominal
+        # CPU figure, which is no utilisation of anything: logged on a GPU only
+        utilisation = {UPDATE_MFU: float(np.mean(raw["mfu"]))} if peak > 0 and raw.get("mfu") else {}
         return {"loss": float(np.mean(losses)) if len(losses) else float("nan"),
                 **{key: float(np.sum(raw.get(f"graft/{key}", [0.0]))) for key in COUNT_METRICS},
-                # what the preflight holds against the plan's train term (0 on CPU: no CUDA allocator)
-                GPU_PEAK: float(max(raw.get("perf/max_memory_reserved_gb", [0.0])))}
+                GPU_PEAK: peak, **utilisation}
 
     # ------------------------------------------------------------------ evaluation and state
     def generate(self, role: str, step: int):

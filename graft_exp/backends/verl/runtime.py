@@ -72,6 +72,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from graft_exp.backends.verl import batch as vb
 from graft_exp.backends.verl.config import JOB_TOKEN_ENV
 from graft_exp.backends.verl.loss import actor_loss
+from graft_exp.costs import phase
 from graft_exp.methods.objective import LossSpec
 from graft_exp.resources import LATEST_CONTENTS
 
@@ -273,16 +274,18 @@ class VerlModel:
         prompts.meta_info.update({"global_steps": step, "validate": validate})
         workers = int(self.config.actor_rollout_ref.rollout.agent.num_workers)
         padded, pad_size = pad_dataproto_to_divisor(prompts, workers)
-        if self.served_version == self.weights_version:   # DAPO's refills, validation, evaluation runs
-            self.wg.release_cached_memory()
-            self.checkpoints.wake_up_replicas()
-        else:
-            self.checkpoints.update_weights(step)
-            self.served_version = self.weights_version
+        with phase("sync"):   # the step's timeline: the engine woken with the trainer's weights, and put to sleep
+            if self.served_version == self.weights_version:   # DAPO's refills, validation, evaluation runs
+                self.wg.release_cached_memory()
+                self.checkpoints.wake_up_replicas()
+            else:
+                self.checkpoints.update_weights(step)
+                self.served_version = self.weights_version
         try:
             out = self.agent_loop.generate_sequences(padded)
         finally:
-            self.checkpoints.sleep_replicas()
+            with phase("sync"):
+                self.checkpoints.sleep_replicas()
         out = unpad_dataproto(out, pad_size)
         out.meta_info.pop("timing", None)
         return out
