@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from graft_exp import schema
-from graft_exp.costs import mfu
 from graft_exp.contract import Sampled
+from graft_exp.costs import mfu
 from graft_exp.methods.exchange import REPLAYED, peer_solved_frac, rollout_metrics
 from graft_exp.methods.objective import LossSpec
 from graft_exp.methods.receiver import PEER, ReceiverBatch

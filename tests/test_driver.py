@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support import optional
 
 from graft_exp import costs, driver, schema, step_record
 from graft_exp.costs import Timeline, phase, step_costs
-from support import optional
 
 
 def test_independent_models_pay_their_own_busy_time_on_their_own_gpus():
@@ -83,9 +83,8 @@ def test_a_phase_outside_a_step_times_nothing_and_threads_keep_their_own(clock):
     timeline = Timeline(["A", "B"])
 
     def work(role):
-        with timeline("update", role):
-            with phase("logprob"):
-                clock.advance(0.5)
+        with timeline("update", role), phase("logprob"):
+            clock.advance(0.5)
         return role
     with ThreadPoolExecutor(2) as pool:   # the driver's pool: each thread's phases are its own
         assert list(pool.map(work, ["A", "B"])) == ["A", "B"]
