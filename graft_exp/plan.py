@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -19,7 +20,8 @@ from omegaconf import DictConfig
 
 from graft_exp import resources
 from graft_exp.config import ConfigError, register_schemas, validate
-from graft_exp.launching.jobs import CONF_DIR
+from graft_exp.launching.jobs import CONF_DIR, PAPER_STEPS, Projection, TimeLimit, estimate_cost, time_limit
+from graft_exp.preflight import measured_cost
 
 
 def compose_job(overrides: list[str]) -> DictConfig:
@@ -29,7 +31,7 @@ def compose_job(overrides: list[str]) -> DictConfig:
         return compose(config_name="config", overrides=overrides)
 
 
-def format_plan(plan: resources.Plan, cfg: DictConfig) -> str:
+def format_plan(plan: resources.Plan, cfg: DictConfig, cost: Projection) -> str:
     """The plan as a few aligned lines (sizes in GB)."""
     job = f"pair={cfg.pair.name} method={cfg.method.name} seed={cfg.seed} backend={plan.backend}"
     lines = [f"job: {job}; trains {', '.join(f'{r} {cfg.pair[r]}' for r in plan.trained)}"]
@@ -53,11 +55,33 @@ def format_plan(plan: resources.Plan, cfg: DictConfig) -> str:
         for name, c in plan.checkpoint.items():
             lines.append(f"checkpoint {name}: {', '.join(c.contents)}: {c.gb} GB")
         lines.append(f"peak disk per job: {plan.peak_disk_gb} GB")
-    s = plan.slurm
+    s, limit = plan.slurm, time_limit(cfg)
+    lines.append(cost_line(cost, cfg))
     lines.append(f"slurm request: --nodes={s['nodes']} --gpus-per-node={s['gpus_per_node']} "
-                 f"--cpus-per-task={s['cpus_per_task']} --mem={s['mem_gb']}G")
-    lines.extend(f"note: {n}" for n in plan.notes)
+                 f"--cpus-per-task={s['cpus_per_task']} --mem={s['mem_gb']}G --time={limit.slurm}")
+    lines.extend(f"note: {n}" for n in plan.notes + limit_notes(cost, limit))
     return "\n".join(lines)
+
+
+def cost_line(cost: Projection, cfg: DictConfig) -> str:
+    steps = cfg.train.max_steps or PAPER_STEPS
+    wall = "wall time unknown" if cost.wall_hours is None else f"~{cost.wall_hours:.1f} h wall"
+    return f"cost: ~{cost.gpu_hours:.1f} GPU-h, {wall} ({steps} steps; {cost.source})"
+
+
+def limit_notes(cost: Projection, limit: TimeLimit) -> list[str]:
+    """What the time limit does to a job of this length: nothing, requeues, or more requeues than allowed."""
+    if cost.wall_hours is None:
+        return []
+    requeues = limit.requeues(cost.wall_hours)
+    if not requeues:
+        return []
+    said = (f"the job's ~{cost.wall_hours:.1f} h exceed the {limit.minutes / 60:g} h limit (--time): at the limit it "
+            f"checkpoints (USR2) and is requeued, {requeues} time{'s' * (requeues > 1)}, resuming its MLflow run")
+    if requeues > limit.requeues_allowed:
+        said += (f"; more than hydra.launcher.max_num_timeout={limit.requeues_allowed} allows: raise it, or the "
+                 f"pair's cluster.resources.<pair>.timeout_min where the site's limit is longer")
+    return [said]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose_job(args.overrides)
         validate(cfg)
-        plan = resources.job_plan(cfg, trained_roles(cfg))
+        trained = trained_roles(cfg)
+        plan = resources.job_plan(cfg, trained)
+        cost = measured_cost(cfg) or estimate_cost(cfg, trained)
     except HydraException as err:   # a misspelt key, an unknown option, a sweep list: Hydra's first line names it
         print(f"plan: {str(err).splitlines()[0]} (the overrides of one job, as for python -m graft_exp)",
               file=sys.stderr)
@@ -79,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"plan refused: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan, cfg))
+    limit = time_limit(cfg)
+    shown = {**plan.to_dict(), "cost": {**asdict(cost), "time_limit_min": limit.minutes,
+                                        "requeues": limit.requeues(cost.wall_hours or 0.0)}}
+    print(json.dumps(shown, indent=1) if args.json else format_plan(plan, cfg, cost))
     try:
         resources.check(plan, cfg)
     except ConfigError as err:

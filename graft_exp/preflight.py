@@ -33,6 +33,7 @@ from packaging.requirements import Requirement
 
 from graft_exp import methods, prompts, resources, schema, tracking
 from graft_exp.config import FLASH_ATTN, ConfigError, roles
+from graft_exp.launching.jobs import PAPER_STEPS, Projection, estimate_gpu_hours
 
 PASS, FAIL, NOT_HERE, INFO = "pass", "fail", "not measurable here", "info"
 #: The largest mean per-token |vLLM - FSDP| log-prob gap of a response on step 2 (nats) that a weight sync passes
@@ -181,27 +182,96 @@ def check_gpu_memory(env: dict[str, str], plan: resources.Plan, peaks: dict[str,
     return rows
 
 
-def check_time(cfg: DictConfig, full: DictConfig, costs: list[tuple[int, float]], tokens: int = 0) -> Check:
-    """Device-hours of step 2 scaled to the full job (its prompts per step, its steps) beside App. D's figure, and
-    the throughput the defaults gave: ``tokens`` generated at step 2 per device-second."""
-    from graft_exp.launching.jobs import PAPER_STEPS, estimate_gpu_hours
+@dataclass(frozen=True)
+class StepTime:
+    """One full-size step of the job a preflight stands for: step 2 scaled to the job's prompts per step."""
 
+    device_s: float
+    wall_s: float
+
+    def projection(self, full: DictConfig) -> Projection:
+        steps = int(full.train.max_steps or PAPER_STEPS)
+        return Projection(self.device_s * steps / 3600, self.wall_s * steps / 3600, "measured by a preflight")
+
+
+def step_time(cfg: DictConfig, full: DictConfig, costs: list[tuple[int, float]],
+              walls: dict[int, float]) -> StepTime | None:
+    """``StepTime`` of the preflight ``cfg`` of ``full`` from its cumulative ``cost/gpu_hours`` and its
+    ``time/step_s`` by step; None without a step 2."""
     per_step = dict(costs)
-    if 2 not in per_step:
+    if 2 not in per_step or 2 not in walls:
+        return None
+    scale = int(full.train.batch_prompts) / int(cfg.train.batch_prompts)
+    return StepTime((per_step[2] - per_step.get(1, 0.0)) * 3600 * scale, walls[2] * scale)
+
+
+def check_time(full: DictConfig, step: StepTime | None, tokens: int = 0) -> Check:
+    """Step 2's device-hours scaled to the full job (its prompts per step, its steps) beside App. D's figure, its
+    wall time, and the throughput the defaults gave: ``tokens`` generated at step 2 per device-second."""
+    if step is None:
         return Check("time", "job", FAIL, "no step 2 recorded", "two steps", "see the job's log")
-    step = per_step[2] - per_step.get(1, 0.0)
+    projected = step.projection(full)
     steps = int(full.train.max_steps or PAPER_STEPS)
-    projected = step * int(full.train.batch_prompts) / int(cfg.train.batch_prompts) * steps
-    measured = (f"{step * 3600:.1f} device-s per step, {tokens / max(step * 3600, 1e-9):.0f} generated tokens per "
-                f"device-s; full job ~{projected:.2f} GPU-h ({steps} steps)")
+    measured = (f"{step.device_s:.1f} device-s per step, {tokens / max(step.device_s, 1e-9):.0f} generated tokens per "
+                f"device-s; full job ~{projected.gpu_hours:.2f} GPU-h, ~{projected.wall_hours:.2f} h wall ({steps} steps)")
     paper = estimate_gpu_hours(full) if full.backend.name == "verl" else 0.0
     if not paper:   # a CPU pair (pair.gpus 0): App. D has no figure for it
         return Check("time", "job", INFO, measured, "App. D times the paper's GPU nodes")
     expected = f"App. D: {paper:.1f} GPU-h"
-    if projected > MAX_TIME_RATIO * paper:
+    if projected.gpu_hours > MAX_TIME_RATIO * paper:
         return Check("time", "job", FAIL, measured, expected,
                      "far slower than the paper's nodes: compare the rollout layout and vLLM's settings (docs/verl.md)")
     return Check("time", "job", PASS, measured, expected)
+
+
+def check_timeline(model: str, history: dict[str, float], step_s: float | None) -> Check:
+    """Where model ``model``'s step 2 went (its ``time/<phase>_s`` and ``time/wait_s``), as shares of the step."""
+    if not step_s or not history:
+        return Check("timeline", model, FAIL, "no timeline recorded at step 2", "time/<phase>_s", "see the job's log")
+    shares = [(p, history.get(schema.phase_metric(p), 0.0)) for p in schema.PHASES]
+    shares.append(("wait", history.get(schema.WAIT_SECONDS, 0.0)))
+    shown = ", ".join(f"{p} {v / step_s:.0%}" for p, v in shares)
+    return Check("timeline", model, INFO, f"{shown} of a {step_s:.1f} s step", "the wait share: time this pool idles")
+
+
+def check_mfu(model: str, env: dict[str, str], values: list[float]) -> Check:
+    """The update's model FLOPs utilisation at step 2 (``perf/mfu``): only a GPU of known dense peak has one."""
+    if schema.ENV_GPU not in env:
+        return Check("MFU", model, NOT_HERE, "no GPU where the job ran", "perf/mfu of the update")
+    if not values:
+        return Check("MFU", model, NOT_HERE, f"no dense bf16 peak known for {env[schema.ENV_GPU]}",
+                     "perf/mfu of the update")
+    return Check("MFU", model, INFO, f"{values[-1]:.1%} of the dense bf16 peak", "perf/mfu of the update")
+
+
+def measured_cost(cfg: DictConfig) -> Projection | None:
+    """The job ``cfg`` projected from the newest passing preflight of its pair, method and backend in its store
+    (``graft.preflight_step_device_s`` / ``graft.preflight_step_s``), or None: no such preflight, no store yet, or
+    a store that does not answer (the plan then shows App. D's figures). Creates nothing."""
+    from mlflow import MlflowClient
+
+    uri = str(cfg.tracking.uri)
+    db = tracking.sqlite_file(uri)
+    if db is not None and not db.exists():
+        return None
+    try:
+        client = MlflowClient(uri)
+        ids = [e.experiment_id for e in client.search_experiments(
+            filter_string=f"name LIKE '{schema.PREFLIGHT_PREFIX}%'")]
+        found = client.search_runs(ids, " and ".join(
+            [f"tags.`{PREFLIGHT_TAG}` = '{PASS}'", f"tags.`{schema.PAIR}` = '{cfg.pair.name}'",
+             f"tags.`{schema.METHOD}` = '{cfg.method.name}'", f"tags.`{schema.BACKEND}` = '{cfg.backend.name}'"]),
+            order_by=["attributes.start_time DESC"], max_results=1) if ids else []
+    except Exception:   # noqa: BLE001  the store's own errors: the plan falls back to App. D's figures
+        return None
+    if not found:
+        return None
+    tags = found[0].data.tags
+    step = StepTime(float(tags[schema.PREFLIGHT_STEP_DEVICE_S]), float(tags[schema.PREFLIGHT_STEP_S]))
+    projected = step.projection(cfg)
+    return Projection(projected.gpu_hours, projected.wall_hours,
+                      f"measured by the preflight of {time.strftime('%Y-%m-%d', time.gmtime(found[0].info.start_time / 1000))} "
+                      f"on {tags.get(schema.HOST, '?')}")
 
 
 def check_checkpoint(folder: Path, plan: resources.Plan) -> Check:
@@ -295,12 +365,23 @@ def report(cfg: DictConfig, full: DictConfig, rc: int, peak_gb: float | None, si
                 peaks[model] = max(m.value for m in reserved)
     rows += [check_host_memory(peak_gb, plan), *check_gpu_memory(env, plan, peaks)]
     costs = [(m.step, m.value) for m in client.get_metric_history(job.info.run_id, schema.GPU_HOURS)]
-    rows.append(check_time(cfg, full, costs, tokens))
+    walls = {m.step: m.value for m in client.get_metric_history(job.info.run_id, schema.STEP_SECONDS)}
+    for role, run in models.items():
+        history = {key: next((m.value for m in client.get_metric_history(run.info.run_id, key) if m.step == 2), 0.0)
+                   for key in [*map(schema.phase_metric, schema.PHASES), schema.WAIT_SECONDS]}
+        rows.append(check_timeline(str(cfg.pair[role]), history, walls.get(2)))
+        rows.append(check_mfu(str(cfg.pair[role]), env,
+                              [m.value for m in client.get_metric_history(run.info.run_id, schema.MFU)]))
+    step = step_time(cfg, full, costs, walls)
+    rows.append(check_time(full, step, tokens))
     rows.append(check_checkpoint(run_directory(cfg), plan))
     written = [m.value for m in client.get_metric_history(job.info.run_id, schema.CHECKPOINT_SECONDS)]
     rows.append(check_checkpoint_time(written, job.data.tags.get(schema.SIGNAL_LEAD)))
     verdict = FAIL if any(r.status == FAIL for r in rows) else PASS
     client.set_tag(job.info.run_id, PREFLIGHT_TAG, verdict)
+    if step is not None:   # what python -m graft_exp.plan projects this job from, once the preflight passed
+        client.set_tag(job.info.run_id, schema.PREFLIGHT_STEP_DEVICE_S, f"{step.device_s:.6g}")
+        client.set_tag(job.info.run_id, schema.PREFLIGHT_STEP_S, f"{step.wall_s:.6g}")
     client.log_text(job.info.run_id, json.dumps([asdict(r) for r in rows], indent=1), "preflight/report.json")
     client.log_text(job.info.run_id, markdown(rows), "preflight/report.md")
     return rows

@@ -48,6 +48,9 @@ JOB_TAGS = {
     "graft.run_key_before": "by python -m graft_exp.rekey, when it changed graft.run_key: the key it replaced",
     "graft.prompt_date": "at creation: the date chat templates that read the clock render (kept on resume)",
     "graft.preflight": "on a preflight's job run (experiment graft-preflight/<study>), after its checks: pass | fail",
+    "graft.preflight_step_device_s": "on a preflight's job run, after its checks: device-seconds of one full-size step "
+                                     "of the job it stands for (step 2 scaled to its prompts; what the plan projects from)",
+    "graft.preflight_step_s": "on a preflight's job run, after its checks: wall seconds of one full-size step",
     "graft.signal_lead_s": "at the job's start, under a launcher that warns before the time limit: the seconds between "
                            "the warning (USR2) and the limit (hydra.launcher.signal_delay_s)",
     **ENV_TAGS,
@@ -145,6 +148,7 @@ NO_PEER = "none"
 RUN_KEY_BEFORE, PROMPT_DATE = "graft.run_key_before", "graft.prompt_date"
 STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"
+PREFLIGHT_STEP_DEVICE_S, PREFLIGHT_STEP_S = "graft.preflight_step_device_s", "graft.preflight_step_s"
 SIGNAL_LEAD, CHECKPOINT_SECONDS = "graft.signal_lead_s", "time/checkpoint_s"
 STEP_SECONDS, RECORD_SECONDS, WAIT_SECONDS = "time/step_s", "time/record_s", "time/wait_s"
 VALIDATE_SECONDS, TEST_SECONDS, MFU = "time/validate_s", "time/test_s", "perf/mfu"

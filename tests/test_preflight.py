@@ -154,9 +154,26 @@ def test_a_job_far_slower_than_the_paper_s_fails_the_time_check(compose_cfg):
     mini = compose_cfg("pair=pair1", "backend=verl", "cluster=slurm", *preflight.miniature(full, Path("/tmp/x")))
     assert int(mini.train.batch_prompts) == 32 and int(mini.train.max_steps) == 2
     per_step_ok = 43.3 / 174 / 4     # GRAFT on pair 1: 43.3 GPU-h, 174 steps of 128 prompts (32 here)
-    assert preflight.check_time(mini, full, [(1, per_step_ok), (2, 2 * per_step_ok)]).status == PASS
-    slow = preflight.check_time(mini, full, [(1, per_step_ok), (2, 4 * per_step_ok)])
+    walls = {1: 50.0, 2: 56.0}       # the miniature's time/step_s: a quarter of the job's prompts
+    step = preflight.step_time(mini, full, [(1, per_step_ok), (2, 2 * per_step_ok)], walls)
+    assert step.device_s == pytest.approx(43.3 / 174 * 3600) and step.wall_s == 4 * 56.0
+    ok = preflight.check_time(full, step)
+    assert ok.status == PASS and "full job ~43.30 GPU-h, ~10.83 h wall (174 steps)" in ok.measured
+    slow = preflight.check_time(full, preflight.step_time(mini, full, [(1, per_step_ok), (2, 4 * per_step_ok)], walls))
     assert slow.status == FAIL and "App. D: 43.3 GPU-h" == slow.expected
+    assert preflight.check_time(full, preflight.step_time(mini, full, [(1, per_step_ok)], walls)).status == FAIL
+
+
+def test_the_preflight_reports_each_pool_s_shares_and_says_mfu_is_not_measurable_without_a_gpu():
+    history = {"time/generate_s": 6.0, "time/update_s": 3.0, "time/wait_s": 1.0}
+    row = preflight.check_timeline("qwen3-1.7b-base", history, 10.0)
+    assert row.status == preflight.INFO
+    assert row.measured == ("generate 60%, reward 0%, logprob 0%, score 0%, update 30%, sync 0%, wait 10% of a "
+                            "10.0 s step")
+    assert preflight.check_timeline("qwen3-1.7b-base", {}, None).status == FAIL
+    assert preflight.check_mfu("qwen3-1.7b-base", {}, []).status == NOT_HERE
+    on_h200 = preflight.check_mfu("qwen3-1.7b-base", {schema.ENV_GPU: "NVIDIA H200"}, [0.21, 0.25])
+    assert on_h200.status == preflight.INFO and on_h200.measured.startswith("25.0%")
 
 
 def test_a_checkpoint_slower_than_the_warning_before_the_time_limit_fails():

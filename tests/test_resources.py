@@ -213,7 +213,33 @@ def test_plan_command_json_and_refusal(capsys, tmp_path, monkeypatch):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]   # one line
     assert done.stderr.startswith("plan refused: backend.gpu_memory_utilization=0.6 of a 40 GB GPU")
-    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=96G" in done.stdout
+    assert "slurm request: --nodes=1 --gpus-per-node=4 --cpus-per-task=29 --mem=96G --time=2-00:00:00" in done.stdout
+
+
+def test_the_plan_states_each_job_s_cost_wall_time_and_time_limit(compose_cfg):
+    """App. D's figures (43.3 GPU-h for GRAFT on pair 1, 174 steps on 4 GPUs: both pools for the whole run; a
+    GRPO baseline's models each on its own pool of 2), the Slurm time limit of the pair, and what a job longer
+    than the limit does."""
+    from graft_exp.launching.jobs import estimate_cost, time_limit
+    from graft_exp.plan import cost_line, limit_notes
+
+    graft = compose_cfg("pair=pair1", "backend=verl", "method=graft")
+    cost = estimate_cost(graft)
+    assert (cost.gpu_hours, cost.wall_hours) == (43.3, pytest.approx(43.3 / 4))
+    assert cost_line(cost, graft) == "cost: ~43.3 GPU-h, ~10.8 h wall (174 steps; App. D)"
+    limit = time_limit(graft)   # cluster=local composes none: cluster=slurm's default
+    assert (limit.minutes, limit.slurm, limit.requeues_allowed) == (2880, "2-00:00:00", 3)
+    assert limit_notes(cost, limit) == []
+    n32 = estimate_cost(compose_cfg("pair=pair1", "backend=verl", "method=grpo_n32"))
+    assert n32.gpu_hours == pytest.approx(99.5 + 45.6) and n32.wall_hours == pytest.approx(99.5 / 2)  # SmolLM3's pool
+    (note,) = limit_notes(n32, limit)
+    assert "~49.8 h exceed the 48 h limit (--time)" in note and "requeued, 1 time" in note
+    short = time_limit(compose_cfg("pair=pair1", "backend=verl", "cluster=slurm",
+                                   "+cluster.resources.pair1.timeout_min=600"))
+    assert short.slurm == "0-10:00:00" and short.requeues(n32.wall_hours) == 4
+    assert "more than hydra.launcher.max_num_timeout=3 allows" in limit_notes(n32, short)[0]
+    tiny = estimate_cost(compose_cfg("method=graft"))
+    assert tiny.gpu_hours == 0.0 and tiny.wall_hours is None and "wall time unknown" in cost_line(tiny, graft)
 
 
 def test_launch_callback_sets_the_slurm_request_from_the_plans(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -186,19 +187,66 @@ def _grpo_hours(model: str, method: str) -> float:
     return table.get(method, table["grpo_n8"])
 
 
-def estimate_gpu_hours(cfg: DictConfig, trained: Sequence[str] = ()) -> float:
-    """Expected GPU-hours of a complete job from the paper's measured costs, scaled by the pair's
-    models (relative to pair 1), by ``train.max_steps`` against 174 steps and by ``pair.gpus``
-    against 4. A single-model job is charged for the roles it trains (``trained``, default all: a shared
-    baseline is paid once); a co-trained group of K models for the sum of its members' GRPO costs, as a
-    pair; CPU pairs cost 0."""
+@dataclass(frozen=True)
+class Projection:
+    """What a complete job is expected to cost: GPU-hours (App. D's charge), wall hours, and whose figures."""
+
+    gpu_hours: float
+    wall_hours: float | None     # None where nothing times the job's hardware (a CPU pair before a preflight)
+    source: str
+
+
+def estimate_cost(cfg: DictConfig, trained: Sequence[str] = ()) -> Projection:
+    """Expected GPU-hours and wall time of a complete job from the paper's measured costs, scaled by the pair's
+    models (relative to pair 1), by ``train.max_steps`` against 174 steps and by ``pair.gpus`` against 4. A
+    single-model job is charged for the roles it trains (``trained``, default all: a shared baseline is paid once),
+    each on its own pool at the same time, so its wall time is its slowest pool's hours over that pool's GPUs; a
+    co-trained group of K models is charged the sum of its members' GRPO costs, as a pair, and holds all its GPUs
+    for the whole run. CPU pairs cost 0, in unknown time."""
     if int(cfg.pair.gpus) == 0:
-        return 0.0
+        return Projection(0.0, None, "App. D (a CPU pair: no GPU-hours)")
     method, steps = cfg.method.name, cfg.train.max_steps or PAPER_STEPS
     family = methods.declaration(method).cost_family
+    scale = steps / PAPER_STEPS * int(cfg.pair.gpus) / 4
+    pool_gpus = int(cfg.backend.get("gpus_per_model", 1)) * int(cfg.backend.get("nnodes", 1))
     if not methods.co_trains(cfg.method):
-        hours = sum(_grpo_hours(cfg.pair[role], family) for role in trained or roles(cfg.pair))
-    else:
-        pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in roles(cfg.pair))
-        hours = CO_TRAIN_GPU_HOURS[family] * pair_cost / sum(_grpo_hours(m, "grpo_n8") for m in PAPER_PAIR)
-    return hours * steps / PAPER_STEPS * int(cfg.pair.gpus) / 4
+        hours = {role: _grpo_hours(cfg.pair[role], family) * scale for role in trained or roles(cfg.pair)}
+        return Projection(sum(hours.values()), max(hours.values()) / pool_gpus, "App. D")
+    pair_cost = sum(_grpo_hours(cfg.pair[role], "grpo_n8") for role in roles(cfg.pair))
+    hours = CO_TRAIN_GPU_HOURS[family] * pair_cost / sum(_grpo_hours(m, "grpo_n8") for m in PAPER_PAIR) * scale
+    return Projection(hours, hours / (pool_gpus * len(roles(cfg.pair))), "App. D")
+
+
+def estimate_gpu_hours(cfg: DictConfig, trained: Sequence[str] = ()) -> float:
+    """``estimate_cost``'s GPU-hours."""
+    return estimate_cost(cfg, trained).gpu_hours
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    """The time limit a job asks Slurm for under ``cluster=slurm`` and how many times a job that reaches it is
+    requeued (``hydra.launcher.timeout_min`` from ``cluster.resources``, ``max_num_timeout``)."""
+
+    minutes: int
+    requeues_allowed: int
+
+    @property
+    def slurm(self) -> str:
+        """Slurm's ``--time`` form, days-hours:minutes:seconds."""
+        days, minutes = divmod(self.minutes, 24 * 60)
+        return f"{days}-{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+    def requeues(self, wall_hours: float) -> int:
+        """How many times a job of ``wall_hours`` reaches the limit and is requeued to go on (each start also
+        re-starts the job and reloads its checkpoint: not counted here)."""
+        return max(math.ceil(wall_hours * 60 / self.minutes) - 1, 0)
+
+
+def time_limit(cfg: DictConfig) -> TimeLimit:
+    """``cfg``'s Slurm time limit: its cluster's ``resources`` entry for its pair (else ``default``), or, for a job
+    composed with another cluster, what ``cluster=slurm`` would ask (conf/cluster/slurm.yaml); the requeues the
+    launcher allows as that file sets them (a ``hydra.launcher.max_num_timeout`` override is not seen here)."""
+    slurm = OmegaConf.load(CONF_DIR / "cluster" / "slurm.yaml")
+    resources = cfg.cluster.get("resources") or slurm.cluster.resources
+    entry = resources.get(str(cfg.pair.name)) or resources.default
+    return TimeLimit(int(entry.timeout_min), int(slurm.hydra.launcher.max_num_timeout))

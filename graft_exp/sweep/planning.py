@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from graft_exp.config import BUDGET_KEYS, BUDGET_SETTINGS
-from graft_exp.launching.jobs import Composer, Job, estimate_gpu_hours
+from graft_exp.launching.jobs import Composer, Job, estimate_cost
 
 
 class SweepError(ValueError):
@@ -59,6 +59,7 @@ class SweepJob:
     needs: list[SweepJob] = field(default_factory=list)       # `after`: their models must be finished
     follows: list[SweepJob] = field(default_factory=list)     # shared baseline: run after these started it
     gpu_hours: float = 0.0
+    wall_hours: float = 0.0      # App. D's wall time of the job on its GPUs (0: a CPU job, unknown)
 
     @property
     def key(self) -> str:
@@ -221,7 +222,8 @@ def _order(path: Path, study: str, jobs: list[Job], after: dict[str, list[str]],
             shared.append((job, list(dict.fromkeys(follows))))
             continue
         sj = SweepJob(job, len(planned), tuple(roles), follows=list(dict.fromkeys(follows)))
-        sj.gpu_hours = estimate_gpu_hours(job.cfg, sj.roles)
+        cost = estimate_cost(job.cfg, sj.roles)
+        sj.gpu_hours, sj.wall_hours = cost.gpu_hours, cost.wall_hours or 0.0
         for role in roles:
             owner.setdefault(job.model_keys[role], sj)
         planned[job.key] = sj

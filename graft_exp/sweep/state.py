@@ -81,14 +81,14 @@ STYLE = {status.DONE: "green", status.RUNNING: "cyan", status.PENDING: "cyan", s
 def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
     """The job table and the summary line (and failed jobs with their logs)."""
     table = Table(title=f"{sweep.path} - study {sweep.study} - {sweep.uri}", title_justify="left")
-    for col in ("#", "job", "run_key", "state", "est. GPU-h", "after"):
-        table.add_column(col, justify="right" if col in ("#", "est. GPU-h") else "left")
+    for col in ("#", "job", "run_key", "state", "est. GPU-h", "est. wall h", "after"):
+        table.add_column(col, justify="right" if col in ("#", "est. GPU-h", "est. wall h") else "left")
     for sj in sweep.jobs:
         state = snap.state(sj)
         waits = sj.needs + sj.follows
         blocked = state in status.TO_SUBMIT and not snap.ready(sj)
         shown = f"[{STYLE[state]}]{state}[/]" + (" (waits)" if blocked else "")
-        table.add_row(str(sj.index), sj.job.label, sj.key, shown, f"{sj.gpu_hours:.1f}",
+        table.add_row(str(sj.index), sj.job.label, sj.key, shown, f"{sj.gpu_hours:.1f}", f"{sj.wall_hours:.1f}",
                       " ".join(f"#{w.index}" for w in dict.fromkeys(waits)))
     console.print(table)
     for job, keepers in sweep.shared:
@@ -101,7 +101,9 @@ def report(sweep: Sweep, snap: Snapshot, with_logs: bool) -> None:
         f"{len(sweep.jobs)} jobs: {c[status.DONE]} finished, {c[status.RUNNING]} running, "
         f"{c[status.PENDING]} pending, {c[status.HELD]} held, {c[status.FAILED] + c[status.CRASHED]} failed, "
         f"{c[status.MISSING]} missing; estimated GPU-hours: {sum(sj.gpu_hours for sj in todo):.1f} "
-        f"to run, {sum(sj.gpu_hours for sj in sweep.jobs):.1f} for the whole sweep")
+        f"to run, {sum(sj.gpu_hours for sj in sweep.jobs):.1f} for the whole sweep; wall time (App. D, each job "
+        f"on its own GPUs): {sum(sj.wall_hours for sj in todo):.1f} h summed over the jobs to run, the longest "
+        f"{max((sj.wall_hours for sj in todo), default=0.0):.1f} h")
     if with_logs:
         for sj in sweep.jobs:
             state, log = snap.states[sj.key]
