@@ -1,4 +1,4 @@
-"""``python -m analysis {tables,figures,compare,methods,decisions,transfers,readme}``: the paper's tables and figures from
+"""``python -m analysis {tables,figures,compare,methods,decisions,transfers,timeline,readme}``: the paper's tables and figures from
 MLflow; ``methods`` compares the methods of any finished jobs.
 
 ``readme`` rebuilds a page's generated results section (the tiny study's in ``docs/tiny.md``, the K-model
@@ -183,6 +183,20 @@ def cmd_transfers(args) -> None:
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 
+def cmd_timeline(args) -> None:
+    from analysis import timeline
+
+    client = MlflowClient(args.tracking_uri)
+    ids = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)
+           if args.experiment is None or e.name in args.experiment]
+    table, paths = timeline.write(client, ids, args.out)
+    if table.empty:
+        raise StoreUnavailable(f"no model run in {args.experiment or 'graft/*'} recorded a step's timeline "
+                               "(time/<phase>_s): train a job with this version first")
+    console.print(timeline.markdown(table), soft_wrap=True)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
 def cmd_readme(args) -> None:
     path = readme.write(args.out, args.page, args.section)
     console.print(f"rebuilt the {args.section} section of {path} from {args.out}")
@@ -202,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
                                   "comparison a multirun ends with), selected by experiment and --where filters")),
         "transfers": (cmd_transfers, ("absorption of transferred prompts vs controls from the transfer logs, by "
                                       "method, direction, receiver log-prob and subject")),
+        "timeline": (cmd_timeline, ("where each pool's step time goes, per pair and method: each phase's share "
+                                    "(table) and each pool's phases stacked per step (figure)")),
         "readme": (cmd_readme, "rebuild a page's generated results section from the tables and figures in OUT"),
     }
     for name, (handler, help_text) in specs.items():
@@ -232,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
                                  "by seed (default: method; e.g. method.delta)")
             command.set_defaults(handler=handler)
             continue
-        if name == "transfers":
+        if name in ("transfers", "timeline"):
             command.set_defaults(handler=handler)
             continue
         if name == "decisions":

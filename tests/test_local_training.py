@@ -4,10 +4,12 @@ stored-trajectory replay finds its source (or says which run to launch)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
-from support.mlflow_records import histories, model_runs
+from support.mlflow_records import assert_same_records, histories, model_runs
 
+from analysis.__main__ import main as analysis_main
 from graft_exp import driver, methods, scheduler, schema, tracking
 from graft_exp.backends import local
 from graft_exp.config import ConfigError, validate
@@ -101,6 +103,26 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert {"trajectories", "prompt_success.parquet"} <= artifacts
         assert len(client.list_artifacts(run.info.run_id, "trajectories")) == 2
+    # The step's timeline: every phase and the wait, each step, for each model; on a CPU no MFU.
+    steps = dict(job_metrics[schema.STEP_SECONDS])
+    assert [s for s, _ in job_metrics[schema.RECORD_SECONDS]] == [1, 2]
+    for run in runs.values():
+        metrics = {k: dict(v) for k, v in histories(client, run.info.run_id).items()}
+        parts = [*map(schema.phase_metric, schema.PHASES), schema.WAIT_SECONDS]
+        assert all(list(metrics[key]) == [1, 2] for key in parts)
+        for step, wall in steps.items():
+            assert min(metrics[f"time/{p}_s"][step] for p in ("generate", "reward", "score", "update")) > 0
+            assert metrics["time/logprob_s"][step] == metrics["time/sync_s"][step] == 0.0   # one engine, no sync
+            assert sum(metrics[key][step] for key in parts) <= wall   # the wall before the record, split
+        assert list(metrics[schema.VALIDATE_SECONDS]) == [0, 1, 2] and list(metrics[schema.TEST_SECONDS]) == [0]
+        assert schema.MFU not in metrics
+    written = tmp_path / "timeline"
+    assert analysis_main(["timeline", "--tracking-uri", f"sqlite:///{tmp_path}/first/mlflow.db",
+                          "--out", str(written)]) == 0
+    table = pd.read_csv(written / "timeline.csv")
+    assert list(table["model"]) == ["tiny-char-llama", "tiny-bpe-gpt2"] and (table["steps"] == 2).all()
+    shares = table[[f"{p} %" for p in (*schema.PHASES, "wait")]].sum(axis=1)
+    assert shares.between(99.5, 100.5).all() and (written / "timeline.png").stat().st_size > 10_000
     # GPU-hours: the two models' shares add up to the joint run's cost at every step.
     model_cost = [histories(client, r.info.run_id)["cost/gpu_hours"] for r in runs.values()]
     for (step, joint), (_, a), (_, b) in zip(job_metrics["cost/gpu_hours"], *model_cost):
@@ -110,8 +132,7 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
     for role in ("A", "B"):
         first, second = (histories(c, r.info.run_id) for c, r in
                          ((client, runs[role]), (results[1][0], second_runs[role])))
-        first.pop("cost/gpu_hours"), second.pop("cost/gpu_hours")
-        assert first == second, role
+        assert_same_records(second, first, role)
 
 
 def test_models_run_concurrently_on_cpu_unless_the_job_shares_its_cores(compose_cfg, monkeypatch):
@@ -145,8 +166,7 @@ def test_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
     driver.fit(cfg, resumed, local.LocalBackend)
     split = {role: histories(resumed.client, r.info.run_id) for role, r in model_runs(resumed.client, resumed.run_id).items()}
     for role in ("A", "B"):
-        whole[role].pop("cost/gpu_hours"), split[role].pop("cost/gpu_hours")
-        assert whole[role] == split[role], role
+        assert_same_records(split[role], whole[role], role)
 
 
 @pytest.mark.slow

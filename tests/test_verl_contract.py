@@ -372,6 +372,8 @@ def test_verl_adapter_through_the_driver(compose_cfg, prepared, store_template, 
         assert [s for s, _ in metrics["test/avg"]] == [0, 1]
         assert {f"test/{b}" for b in SKILLS} <= set(metrics)
         assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        for phase in ("generate", "logprob", "update"):   # the FSDP workers' passes, timed as the step's phases
+            assert all(v > 0 for _, v in metrics[schema.phase_metric(phase)]), phase
         # verl's LR scheduler steps once per update_actor call: the checkpoint carried it through the resume;
         # the best checkpoint holds the model only, so restoring it for the final evaluation leaves it as trained
         updates = first.models[role].wg.calls["update_actor"] + second.models[role].wg.calls["update_actor"]

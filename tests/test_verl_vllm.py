@@ -330,6 +330,10 @@ def check_job(job, cfg, steps=(1, 2)) -> dict:
         assert [s for s, _ in metrics["val/avg"]] == validated
         assert [s for s, _ in metrics["test/avg"]] == list(range(int(cfg.eval.runs)))
         assert all(np.isfinite(v) for _, v in metrics["train/loss"])
+        # the step's timeline: vLLM's generation, the FSDP workers' old log-probs and update, the weights synced
+        for phase in ("generate", "reward", "logprob", "update", "sync"):
+            assert [s for s, v in metrics[schema.phase_metric(phase)] if v > 0] == list(steps), phase
+        assert schema.MFU not in metrics   # verl's figure is a nominal CPU peak's: not logged without a GPU
         out[role] = metrics
     return out
 
