@@ -132,6 +132,12 @@ def test_sweep_commands_plan_and_validate_every_job_they_would_submit(standins, 
         out = " ".join(capsys.readouterr().out.split())
         jobs = int(re.search(r"(\d+) jobs?:", out).group(1))
         assert jobs == (2 if "method=graft,grpo_n8" in command else 15 if "--only" not in command else 6), out[-2000:]
+        if "--only" not in command:   # the page's "Cost" table is what the dry run totals
+            total = re.search(r"GPU-hours: ([\d.]+) to run.*?: ([\d.]+) h summed over the jobs to run, the longest "
+                              r"([\d.]+) h", out)
+            gpu_hours, wall, longest = (float(g) for g in total.groups())
+            row = f"| {jobs} | {gpu_hours:.0f} | {wall:.0f} h | {longest:.1f} h"
+            assert row in GUIDE.read_text(), (row, out[-600:])
 
 
 @pytest.mark.slow
