@@ -115,6 +115,21 @@ def mfu(flops: float, seconds: float, devices: int, peak: float | None) -> float
     return flops / (seconds * devices * peak)
 
 
+@contextmanager
+def paused():
+    """This thread's open phase paused while the enclosed code waits for other threads' phases (the driver's
+    pool): their seconds are their roles', not also this thread's shared bookkeeping."""
+    stack = getattr(_frames, "stack", None)
+    if not stack:
+        yield
+        return
+    stack[-1].pause(time.perf_counter())
+    try:
+        yield
+    finally:
+        stack[-1].started = time.perf_counter()
+
+
 def step_costs(busy: dict[str, float], wall: float, devices: dict[str, int], co_train: bool,
                concurrent: bool) -> tuple[dict[str, float], float]:
     """Device-seconds of one training step: (each model's, the job's). Paper App. D, docs/design.md "GPU-hours".

@@ -31,7 +31,7 @@ from graft_exp import methods, prompts, reward, scheduler, schema, step_record, 
 from graft_exp.algorithms import dynamic_sampling_batch_full, grpo_advantages
 from graft_exp.config import peers, roles, total_steps, trained
 from graft_exp.contract import Backend, BackendFactory, Sampled
-from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timeline, phase, step_costs
+from graft_exp.costs import TRAIN_PASSES, ModelFlops, Timeline, paused, phase, step_costs
 from graft_exp.evaluation import AVG, BestCheckpoint, evaluate, final_evaluation, is_validation_step
 from graft_exp.methods.exchange import REPLAYED, plan_step
 from graft_exp.methods.receiver import PEER, ReceiverBatch, Scorer
@@ -192,6 +192,12 @@ class Driver:
         futures = {role: self.pool.submit(fn, role) for role in roles}
         return {role: f.result() for role, f in futures.items()}
 
+    def at_once(self, fn, roles: Sequence[str]) -> dict:
+        """``each`` from inside a phase of this thread's (the exchange's): that phase paused meanwhile, so the
+        models' own phases in the pool are not also counted as its shared time."""
+        with paused():
+            return self.each(fn, roles)
+
     # -------------------------------------------------------------------- rollouts
     def scored(self, problems: list, responses: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Binary rewards [P, n] of each problem's responses (``reward.rewards``) and their GRPO advantages
@@ -284,7 +290,8 @@ class Driver:
                         if self.members[role].replayed is not None}
             batches, sources, transfers = plan_step(method, rollouts, scorers,
                                                     generator(self.cfg.seed, step, "exchange"),
-                                                    replayed=replayed, capability_ratios=ratios)
+                                                    replayed=replayed, capability_ratios=ratios,
+                                                    at_once=self.at_once)
             batches = {role: self.cut_copies(role, batch, sources[role]) for role, batch in batches.items()}
             exchanged = {schema.exchange_metric(s, r): float(mask.sum())
                          for (s, r), mask in transfers.items() if s != REPLAYED}

@@ -154,6 +154,17 @@ def test_stored_replay_trains_on_the_peer_s_logged_rollouts(make_job):
         assert update.source.responses == source.responses and update.source.prompt_ids == source.prompt_ids
 
 
+@pytest.mark.parametrize("name", ["graft", "hacpo"])
+def test_a_pair_s_receivers_score_their_peers_at_the_same_time(make_job, name):
+    """On disjoint devices the two receivers' scorers run at once (each waits in its call for the other's: scored
+    in turn, the barrier would break); the step's timeline gives each its own scoring time."""
+    cfg, job = make_job(f"method={name}")
+    (backend,), _ = fit(cfg, job, concurrent=True, meet_in_scoring_s=30.0)
+    assert job.status == "FINISHED" and not backend.meeting.broken
+    for run in model_runs(job.client, job.run_id).values():
+        assert [s for s, v in histories(job.client, run.info.run_id)["time/score_s"] if v > 0] == [1, 2]
+
+
 def test_a_resumed_job_matches_an_uninterrupted_one(make_job, tmp_path):
     cfg, job = make_job("method=hacpo", "train.max_steps=3", "train.save_every=1", "study=whole")
     fit(cfg, job)

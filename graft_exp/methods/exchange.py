@@ -26,6 +26,7 @@ computes for the update that follows).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +38,13 @@ from graft_exp.scores import rescue_candidate
 
 #: The source of a receiver's transfers from a replayed log (stored replay) in ``plan_step``'s transfer masks.
 REPLAYED = "replayed"
+#: ``at_once(fn, roles) -> {role: fn(role)}``: the receivers' work run at the same time where their models sit on
+#: disjoint devices (the driver's ``Driver.each``); by default one after the other.
+AtOnce = Callable[[Callable, list[str]], dict]
+
+
+def one_after_another(fn: Callable, roles: list[str]) -> dict:
+    return {role: fn(role) for role in roles}
 
 
 def select_prompts(method: Method, k_a: torch.Tensor, k_b: torch.Tensor, n: int,
@@ -47,7 +55,8 @@ def select_prompts(method: Method, k_a: torch.Tensor, k_b: torch.Tensor, n: int,
 
 
 def plan_step(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, Scorer], generator: torch.Generator,
-              *, replayed: dict[str, Rollouts] | None = None, capability_ratios: dict[str, float] | None = None):
+              *, replayed: dict[str, Rollouts] | None = None, capability_ratios: dict[str, float] | None = None,
+              at_once: AtOnce = one_after_another):
     """Every receiver's batch for one training step of any method, by where its peer rows come from: the
     other members' rollouts of this step (``plan_exchange``), a replayed log (``replayed[R]``: the peer
     rollouts receiver R replays, one direction, ``method.source`` = stored), or nowhere (single-model
@@ -66,14 +75,15 @@ def plan_step(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, 
             transfers[REPLAYED, role] = to_receiver
         return batches, dict(replayed), transfers
     if method.co_train:
-        return plan_exchange(method, rollouts, scorers, generator, capability_ratios)
+        return plan_exchange(method, rollouts, scorers, generator, capability_ratios, at_once)
     batches = {role: method.peer_loss.assemble(method, own, own, torch.zeros(own.rewards.shape[0], dtype=torch.bool),
                                                scorers[role], generator) for role, own in rollouts.items()}
     return batches, dict.fromkeys(rollouts), {}
 
 
 def plan_exchange(method: Method, rollouts: dict[str, Rollouts], scorers: dict[str, Scorer],
-                  generator: torch.Generator, capability_ratios: dict[str, float] | None = None):
+                  generator: torch.Generator, capability_ratios: dict[str, float] | None = None,
+                  at_once: AtOnce = one_after_another):
     """Every receiver's batch for one co-training step of a pair or a group (docs/exchange-k.md).
 
     The selection rule runs once per unordered pair of members, in member order, on that pair's own
@@ -83,6 +93,10 @@ def plan_exchange(method: Method, rollouts: dict[str, Rollouts], scorers: dict[s
     takes every prompt and remembers which ones the selection offered); ``capability_ratios[R]`` = the ratio
     of R's peer to R from what the peer loss tracks (``peer_losses.PeerLoss.capability_ratios``).
 
+    A pair's receivers score their peer's groups at the same time (``at_once``, ``scored_at_once``), before the
+    receivers' batches are assembled one after the other: the same calls with the same results, in the same
+    random stream.
+
     Returns (batch of each receiver, the source Rollouts each receiver's peer rows come from, the
     transferred-prompt mask of every ordered (source, receiver) pair).
     """
@@ -90,10 +104,16 @@ def plan_exchange(method: Method, rollouts: dict[str, Rollouts], scorers: dict[s
     offers = {}
     for x, y in itertools.combinations(roles, 2):
         offers[x, y], offers[y, x] = select_prompts(method, rollouts[x].k, rollouts[y].k, rollouts[x].n, generator)
+    peers_of = {receiver: [s for s in roles if s != receiver] for receiver in roles}
+    # each receiver's take of its offers (it changes only its own): known before any receiver is assembled
+    received = {receiver: method.peer_loss.receive(method, receiver, peers_of[receiver], offers, capability_ratios)
+                for receiver in roles}
+    if len(roles) == 2 and method.peer_loss.scores_selected:
+        scorers = scored_at_once(scorers, {r: (offers[peers_of[r][0], r], rollouts[peers_of[r][0]]) for r in roles},
+                                 at_once)
     batches, sources, transfers = {}, {}, {}
     for receiver in roles:
-        peers = [s for s in roles if s != receiver]
-        received = method.peer_loss.receive(method, receiver, peers, offers, capability_ratios)
+        peers = peers_of[receiver]
         if len(peers) == 1:
             source, selected = rollouts[peers[0]], offers[peers[0], receiver]
             transfers[peers[0], receiver] = selected
@@ -103,9 +123,34 @@ def plan_exchange(method: Method, rollouts: dict[str, Rollouts], scorers: dict[s
             source, selected = composite_source([rollouts[s] for s in peers], pick), pick >= 0
             transfers.update({(s, receiver): pick == j for j, s in enumerate(peers)})
         batches[receiver] = method.peer_loss.assemble(method, rollouts[receiver], source, selected, scorers[receiver],
-                                                      generator, received)
+                                                      generator, received[receiver])
         sources[receiver] = source
     return batches, sources, transfers
+
+
+def scored_at_once(scorers: dict[str, Scorer], selections: dict[str, tuple[torch.Tensor, Rollouts]],
+                   at_once: AtOnce) -> dict[str, Scorer]:
+    """``scorers`` with the call each receiver's batch will make first (its source's groups on its selected prompts,
+    ``PeerLoss.assemble``) already made, the receivers' at the same time: one pool scores while the other does,
+    instead of in turn. A scorer answers that call from what it computed, any other call as before."""
+    def score(role: str):
+        selected, source = selections[role]
+        chosen = torch.nonzero(selected).flatten().tolist()
+        return (chosen, source, scorers[role](chosen, source)) if chosen else None
+
+    done = at_once(score, list(selections))
+
+    def answering(role: str) -> Scorer:
+        if done.get(role) is None:
+            return scorers[role]
+        pending = [done[role]]
+
+        def scorer(prompts: list[int], source: Rollouts):
+            if pending and pending[0][0] == prompts and pending[0][1] is source:
+                return pending.pop()[2]
+            return scorers[role](prompts, source)
+        return scorer
+    return {role: answering(role) for role in scorers}
 
 
 def source_for(method: Method, receiver: str, candidates: list[Rollouts], offered: torch.Tensor, scorer: Scorer,

@@ -43,6 +43,9 @@ class PeerLoss:
     gated: bool = True              # the method's admission applies (False: every response, w = 1)
     two_models_only: str = ""       # why it cannot serve a group of K > 2 ("": it can)
     groups_per_prompt: int = 1      # groups a prompt's rows form in the receiver batch
+    # ``assemble`` first scores the source's groups on the selected prompts (what a pair's receivers do at the same
+    # time: ``exchange.scored_at_once``); False: it scores nothing while assembling (SGT scores its NLL rows later)
+    scores_selected: bool = True
 
     # ---------------------------------------------------------------- settings the rest of the code asks for
     def loss_spec(self, method) -> LossSpec:
@@ -125,6 +128,8 @@ class NllPeerLoss(PeerLoss):
     """SGT (App. B): the receiver's own groups untouched, plus the NLL of one uniformly drawn correct peer
     response on each selected prompt. It is GRPO plus that term: its minibatches keep GRPO's order (no group
     counts as peer for the packing)."""
+
+    scores_selected: bool = False
 
     def assemble(self, method, receiver, source, selected, scorer, generator, received=None) -> ReceiverBatch:
         import torch

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,9 +65,13 @@ class MemoryBackend:
     fail_update_at: int | None = None      # raise in update at this call (failure-state tests) ...
     failure: Exception | None = None         # ... this error (a RuntimeError by default)
     peak: float | None = None                # a device's dense peak FLOP/s (perf/mfu); None: a CPU
+    # every receiver's scorer waits in its first call for the others' (a pool's scoring overlapping the other's):
+    # sequential scoring breaks the barrier after this many seconds, failing the step
+    meet_in_scoring_s: float | None = None
 
     def __post_init__(self):
         self.state = {role: 0.0 for role in self.roles}
+        self.meeting = threading.Barrier(len(self.roles), timeout=self.meet_in_scoring_s)
         self.closed = False     # the driver's close() at the end of the job
 
     def problems(self) -> list[Problem]:
@@ -108,6 +113,8 @@ class MemoryBackend:
         """Receiver-old log-probs: the peer's own mean log-prob shifted by the receiver's taste for the
         response (longer responses are less compatible), so some responses pass the gate and some do not."""
         def score(prompts: list[int], source: Rollouts):
+            if self.meet_in_scoring_s is not None:
+                self.meeting.wait()
             tokens = source.num_tokens[prompts]
             shift = torch.where(tokens % 2 == 0, 0.0, -0.5)
             return (-0.1 + shift) * tokens.double(), tokens
