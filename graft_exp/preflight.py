@@ -257,7 +257,7 @@ def measured_cost(cfg: DictConfig) -> Projection | None:
     try:
         client = MlflowClient(uri)
         ids = [e.experiment_id for e in client.search_experiments(
-            filter_string=f"name LIKE '{schema.PREFLIGHT_PREFIX}%'")]
+            filter_string=schema.PREFLIGHT_EXPERIMENTS)]
         found = client.search_runs(ids, " and ".join(
             [f"tags.`{PREFLIGHT_TAG}` = '{PASS}'", f"tags.`{schema.PAIR}` = '{cfg.pair.name}'",
              f"tags.`{schema.METHOD}` = '{cfg.method.name}'", f"tags.`{schema.BACKEND}` = '{cfg.backend.name}'"]),

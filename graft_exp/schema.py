@@ -16,6 +16,7 @@ import re
 EXPERIMENT_PREFIX = "graft/"
 PREFLIGHT_PREFIX = "graft-preflight/"
 GRAFT_EXPERIMENTS = f"name LIKE '{EXPERIMENT_PREFIX}%'"
+PREFLIGHT_EXPERIMENTS = f"name LIKE '{PREFLIGHT_PREFIX}%'"   # what python -m graft_exp.plan projects from
 
 
 def experiment_name(study: str, preflight: bool = False) -> str:

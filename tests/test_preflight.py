@@ -4,6 +4,7 @@ that says what to change."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,16 @@ def test_the_tiny_pair_passes_its_preflight_through_slurm_and_no_analysis_sees_i
     assert rows["package torch", "job"] == PASS and rows["time", "job"] == "info"   # no App. D figure for CPU pairs
     assert "generated tokens per device-s" in report.read_text()
     assert "preflight" in done.stdout and "tiny-char-llama" in done.stdout
+    for model in ("tiny-char-llama", "tiny-bpe-gpt2"):   # each pool's shares of step 2; no MFU without a GPU
+        assert rows["timeline", model] == "info" and rows["MFU", model] == NOT_HERE
+    assert "wait" in report.read_text() and "of a" in report.read_text()
+    # the plan now projects the job from what the preflight measured, not from App. D
+    step = float(job.data.tags[schema.PREFLIGHT_STEP_S])
+    plan = subprocess.run([sys.executable, "-m", "graft_exp.plan", f"tracking.uri={uri}"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False)
+    assert plan.returncode == 0 and step > 0, plan.stderr
+    assert re.search(r"cost: ~[\d.]+ GPU-h, ~[\d.]+ h wall \(30 steps; measured by the preflight of \d{4}-\d\d-\d\d on ",
+                     plan.stdout), plan.stdout
     with pytest.raises(StoreUnavailable, match="no experiment whose name starts with 'graft/'"):
         graft_experiments(client, None)   # the analysis, comparisons and run lookups read graft/ only
 
