@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -289,11 +290,14 @@ class VerlBackend:
 
     def save(self, directory: Path, step: int) -> None:
         """Each model's state under ``directory/<role>`` and its staged best (hard links) under
-        ``directory/<role>/best``: the driver writes its record into the same directory and renames it."""
-        for role, model in self.models.items():
-            model.save(str(directory / role), step)
+        ``directory/<role>/best``, the models' at the same time (each pool writes its own shards): the driver
+        writes its record into the same directory and renames it."""
+        def save(role: str) -> None:
+            self.models[role].save(str(directory / role), step)
             if self.staged_best(role).is_dir():
                 link_tree(self.staged_best(role), directory / role / "best")
+        with ThreadPoolExecutor(len(self.models)) as pool:
+            list(pool.map(save, self.models))   # re-raises a model's failure
 
     def load(self, directory: Path) -> None:
         """The models' state and, as the staged best, the best weights of the same checkpoint."""
