@@ -85,6 +85,15 @@ class PromptStream:
 
     def __init__(self, problems: Sequence, seed: int, cursor: int = 0):
         self.problems, self.seed, self.cursor = problems, seed, cursor
+        self._order: tuple[int, list[int]] | None = None   # (epoch, its permutation), drawn once per epoch
+
+    def order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s permutation of the problems' indices."""
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.problems)))
+            random.Random(derive_seed(self.seed, "epoch", epoch)).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     def next(self, size: int) -> list:
         epoch, index = divmod(self.cursor, len(self.problems))
@@ -93,9 +102,7 @@ class PromptStream:
         out = []
         for _ in range(size):
             epoch, index = divmod(self.cursor, len(self.problems))
-            order = list(range(len(self.problems)))
-            random.Random(derive_seed(self.seed, "epoch", epoch)).shuffle(order)
-            out.append(self.problems[order[index]])
+            out.append(self.problems[self.order(epoch)[index]])
             self.cursor += 1
         return out
 
