@@ -168,33 +168,37 @@ def cmd_decisions(args) -> None:
             console.print(f"[bold]{path}[/]\n{path.read_text()}", soft_wrap=True)
 
 
-def cmd_transfers(args) -> None:
-    from analysis import transfers
+def _per_run_report(args, module, nothing: str) -> None:
+    """``module.write(client, experiment ids, out)`` over the experiments asked for (default every graft/*), its
+    table printed; a store without what it reads is refused with ``nothing`` (``{where}``: the experiments)."""
+    from graft_exp.tracking import sqlite_file
 
+    db = sqlite_file(args.tracking_uri)
+    if db is not None and not db.is_file():   # MLflow would create an empty database at a wrong path
+        raise StoreUnavailable(f"no SQLite database at {db}")
     client = MlflowClient(args.tracking_uri)
     ids = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)
            if args.experiment is None or e.name in args.experiment]
-    table, paths = transfers.write(client, ids, args.out)
+    table, paths = module.write(client, ids, args.out)
     if table.empty:
-        raise StoreUnavailable(f"no finished model run in {args.experiment or 'graft/*'} has a transfer log whose "
-                               "prompts were measured again: train with train.probe_transfers=true (or over several "
-                               "epochs, which revisit the prompts)")
-    console.print(transfers.markdown(table), soft_wrap=True)
+        raise StoreUnavailable(nothing.format(where=args.experiment or "graft/*"))
+    console.print(module.markdown(table), soft_wrap=True)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
+def cmd_transfers(args) -> None:
+    from analysis import transfers
+
+    _per_run_report(args, transfers, "no finished model run in {where} has a transfer log whose prompts were "
+                                     "measured again: train with train.probe_transfers=true (or over several epochs, "
+                                     "which revisit the prompts)")
 
 
 def cmd_timeline(args) -> None:
     from analysis import timeline
 
-    client = MlflowClient(args.tracking_uri)
-    ids = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)
-           if args.experiment is None or e.name in args.experiment]
-    table, paths = timeline.write(client, ids, args.out)
-    if table.empty:
-        raise StoreUnavailable(f"no model run in {args.experiment or 'graft/*'} recorded a step's timeline "
-                               "(time/<phase>_s): train a job with this version first")
-    console.print(timeline.markdown(table), soft_wrap=True)
-    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    _per_run_report(args, timeline, "no model run in {where} recorded a step's timeline (time/<phase>_s): train a "
+                                    "job with this version first")
 
 
 def cmd_readme(args) -> None:

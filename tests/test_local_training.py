@@ -123,6 +123,10 @@ def test_job_records_follow_the_schema_and_the_same_seed_repeats(make_job, tmp_p
     assert list(table["model"]) == ["tiny-char-llama", "tiny-bpe-gpt2"] and (table["steps"] == 2).all()
     shares = table[[f"{p} %" for p in (*schema.PHASES, "wait")]].sum(axis=1)
     assert shares.between(99.5, 100.5).all() and (written / "timeline.png").stat().st_size > 10_000
+    for refused in (["--experiment", "graft/none"], ["--tracking-uri", f"sqlite:///{tmp_path}/none.db"]):
+        assert analysis_main(["timeline", "--tracking-uri", f"sqlite:///{tmp_path}/first/mlflow.db", *refused,
+                              "--out", str(tmp_path / "refused")]) == 2   # nothing to read: one line, exit 2
+    assert not (tmp_path / "none.db").exists() and not (tmp_path / "refused").exists()
     # GPU-hours: the two models' shares add up to the joint run's cost at every step.
     model_cost = [histories(client, r.info.run_id)["cost/gpu_hours"] for r in runs.values()]
     for (step, joint), (_, a), (_, b) in zip(job_metrics["cost/gpu_hours"], *model_cost):
