@@ -418,7 +418,12 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    overrides = list(sys.argv[1:] if argv is None else argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m graft_exp.preflight", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job, as for python -m graft_exp")
+    overrides = parser.parse_args(list(sys.argv[1:] if argv is None else argv)).overrides
     try:
         full = compose(overrides)
         root = Path(str(full.checkpoint_root)).resolve() / "preflight" / time.strftime("%Y%m%d-%H%M%S")

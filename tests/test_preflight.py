@@ -193,3 +193,9 @@ def test_a_checkpoint_slower_than_the_warning_before_the_time_limit_fails():
     assert slow.status == FAIL and "hydra.launcher.signal_delay_s above 260" in slow.fix
     assert preflight.check_checkpoint_time([3.0], None).status == preflight.INFO   # cluster=local: no time limit
     assert preflight.check_checkpoint_time([], "120").status == FAIL
+
+
+def test_help_prints_the_usage(capsys):
+    with pytest.raises(SystemExit) as done:
+        preflight.main(["--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m graft_exp.preflight")

@@ -266,7 +266,7 @@ def verl_config(cfg: DictConfig, role: str, checkpoint_dir: str, training_steps:
             "resume_mode": "auto",
             "val_before_train": False,
             "device": "cuda",
-            # Minibatch order and DP balance are set by graft_exp (peer-last); see layout.py.
+            # Minibatch order and DP balance are set by graft_exp (peer-last); see batch.minibatch_layout.
             "balance_batch": False,
         },
     }
