@@ -41,12 +41,10 @@ class Timeline:
 
     Phases nest: a backend marks the parts of a driver phase (``phase("logprob")`` inside ``generate``), and the
     outer phase is paused meanwhile, so each second is counted once. Work for several roles at once (the
-    exchange's bookkeeping) is split evenly between them. ``intervals`` keeps every timed span
-    (role, phase, start, end), for the overlap of the pools' busy time."""
+    exchange's bookkeeping) is split evenly between them."""
 
     def __init__(self, roles: Sequence[str]):
         self.seconds = {role: dict.fromkeys(PHASES, 0.0) for role in roles}   # schema.PHASES
-        self.intervals: list[tuple[str, str, float, float]] = []
 
     @contextmanager
     def __call__(self, name: str, *roles: str):
@@ -79,7 +77,6 @@ class _Span:
         share = (now - self.started) / len(self.roles)
         for role in self.roles:
             self.timeline.seconds[role][self.name] += share
-            self.timeline.intervals.append((role, self.name, self.started, now))
         self.started = now
 
 
