@@ -24,7 +24,7 @@ from rich.table import Table as RichTable
 
 from analysis import compare, decisions, figures, methods, readme, render, tables
 from analysis.results import Analysis
-from analysis.store import ANALYSIS_TAG, StoreUnavailable, load_store
+from analysis.store import ANALYSIS_TAG, StoreUnavailable, check_sqlite_exists, load_store
 from graft_exp import schema
 from graft_exp.launching.comparison import REFERENCE
 
@@ -171,11 +171,7 @@ def cmd_decisions(args) -> None:
 def _per_run_report(args, module, nothing: str) -> None:
     """``module.write(client, experiment ids, out)`` over the experiments asked for (default every graft/*), its
     table printed; a store without what it reads is refused with ``nothing`` (``{where}``: the experiments)."""
-    from graft_exp.tracking import sqlite_file
-
-    db = sqlite_file(args.tracking_uri)
-    if db is not None and not db.is_file():   # MLflow would create an empty database at a wrong path
-        raise StoreUnavailable(f"no SQLite database at {db}")
+    check_sqlite_exists(args.tracking_uri)
     client = MlflowClient(args.tracking_uri)
     ids = [e.experiment_id for e in client.search_experiments(filter_string=schema.GRAFT_EXPERIMENTS)
            if args.experiment is None or e.name in args.experiment]

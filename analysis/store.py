@@ -221,11 +221,16 @@ def load_histories(client: MlflowClient, plan: dict[str, list[str]], progress: b
     return history.drop(columns="timestamp").reset_index(drop=True)
 
 
+def check_sqlite_exists(tracking_uri: str) -> None:
+    """A ``sqlite:///`` store the analysis reads must exist: MLflow would silently create an empty database at a
+    missing path, and a missing file is a wrong path."""
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        raise StoreUnavailable(f"no SQLite database at {tracking_uri[len('sqlite:///'):]}")
+
+
 def load_store(tracking_uri: str, experiments: list[str] | None = None, progress: bool = False) -> RunStore:
     """Read the runs of ``experiments`` (default: every ``graft/*`` experiment) and the histories we use."""
-    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
-        # MLflow would silently create an empty database here; a missing file is a wrong path.
-        raise StoreUnavailable(f"no SQLite database at {tracking_uri[len('sqlite:///'):]}")
+    check_sqlite_exists(tracking_uri)
     try:
         check_store(tracking_uri, writing=False)
     except TrackingError as err:
