@@ -6,9 +6,10 @@
 
 The step is the one docs/verl.md's table was measured with: world size 1, fp32 master parameters with bf16 compute
 (fp32 on CPU), gradient checkpointing, one micro-batch of ``--tokens`` (default the plan's
-``backend.max_token_len_per_gpu``, 16,384; 1,024 with ``--tiny``), log-probs as verl 0.9.1 computes them without
-flash-attn (``verl.utils.torch_functional.logprobs_from_logits_v2``, row by row), AdamW, then the gradients freed as
-verl frees them. Random weights of the snapshot's shapes (``ARCHITECTURES``: each snapshot's config.json; their
+``backend.max_token_len_per_gpu``, 16,384; 1,024 with ``--tiny``), log-probs by the path ``--logprob-path`` names
+(``backend.logprob_path``: ``chunked``, the default, ``graft_exp/backends/verl/logprobs.py``; ``rowwise``, verl
+0.9.1's ``logprobs_from_logits_v2``, row by row; ``flash_attn_ce`` where flash-attn is installed), AdamW, then the
+gradients freed as verl frees them. ``step_s`` is the step's wall time (forward, backward, optimizer). Random weights of the snapshot's shapes (``ARCHITECTURES``: each snapshot's config.json; their
 parameter counts equal conf/catalog/sizes.yaml's, which the script checks).
 
 On CUDA it prints the allocator's peak allocated and reserved and what stays allocated after the step, beside the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 
@@ -55,12 +57,20 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def one_step(key: str, tiny: bool, tokens: int) -> dict:
+def logprob_function(path: str):
+    from verl.utils import torch_functional
+
+    from graft_exp.backends.verl.logprobs import chunked_logprobs
+
+    return {"chunked": chunked_logprobs, "rowwise": torch_functional.logprobs_from_logits_v2,
+            "flash_attn_ce": torch_functional.logprobs_from_logits_flash_attn}[path]
+
+
+def one_step(key: str, tiny: bool, tokens: int, path: str = "chunked") -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
-    from verl.utils.torch_functional import logprobs_from_logits_v2
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -80,14 +90,19 @@ def one_step(key: str, tiny: bool, tokens: int) -> dict:
                 mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
+    log_probs_of = logprob_function(path)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-    log_probs = logprobs_from_logits_v2(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    log_probs = log_probs_of(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     (-log_probs.mean()).backward()
     grads = tensor_bytes(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters())
     optimizer.step()
+    if cuda:
+        torch.cuda.synchronize()
+    step_s = time.perf_counter() - start
     state = tensor_bytes(v.to_local() if hasattr(v, "to_local") else v
                          for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     params = tensor_bytes(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
@@ -105,7 +120,7 @@ def one_step(key: str, tiny: bool, tokens: int) -> dict:
     size = resources.ModelSize(params=counted, layers=config.num_hidden_layers, hidden=config.hidden_size,
                                vocab=config.vocab_size, tied_embeddings=bool(config.tie_word_embeddings))
     per_param = {"params": 4, "grads": 4, "optimizer": 8}
-    activations = resources.activations_bytes(size, tokens, "rowwise") / GIB   # the path this step takes
+    activations = resources.activations_bytes(size, tokens, path) / GIB   # the path this step takes
     planned = {name: counted * b / GIB for name, b in per_param.items()}
     state_gib = sum(planned.values())
     planned |= {"activations": activations, "headroom": resources.ALLOCATOR_HEADROOM * activations,
@@ -118,6 +133,7 @@ def one_step(key: str, tiny: bool, tokens: int) -> dict:
                    measured["peak_allocated"] / planned["state_plus_activations"],
                    "peak_reserved_over_train": measured["peak_reserved"] / planned["train"]}
     return {"model": key, "shapes": "tiny" if tiny else "real", "device": device, "tokens": tokens,
+            "logprob_path": path, "step_s": step_s,
             "params": counted, "measured_gib": measured, "planned_gib": planned, "ratios": ratios}
 
 
@@ -126,9 +142,10 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-1.7b-base", choices=sorted(ARCHITECTURES))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes with the real vocabulary (CPU)")
     parser.add_argument("--tokens", type=int, default=None, help="the micro-batch (default: 16384; 1024 with --tiny)")
+    parser.add_argument("--logprob-path", default="chunked", choices=["chunked", "rowwise", "flash_attn_ce"])
     parser.add_argument("--json", action="store_true", help="one JSON object (default: indented)")
     args = parser.parse_args()
-    result = one_step(args.model, args.tiny, args.tokens or (1024 if args.tiny else 16384))
+    result = one_step(args.model, args.tiny, args.tokens or (1024 if args.tiny else 16384), args.logprob_path)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 

@@ -62,13 +62,15 @@ KEY_NEUTRAL = "graft.key_neutral"
 _REPRODUCES = object()
 
 
-def added_setting(reproduces: Any, *, default: Any = _REPRODUCES, default_factory: Any = None) -> Any:
+def added_setting(reproduces: Any, *, same_as: tuple = (), default: Any = _REPRODUCES,
+                  default_factory: Any = None) -> Any:
     """Declare a setting added after runs were recorded (docs/design.md, "Run keys"): it enters
     ``graft.run_key`` only when its value differs from ``reproduces``, the value under which a job computes
-    what it computed before the setting existed. Runs already in a store keep their keys; a job that uses
-    the new setting gets a key of its own. ``default`` (or ``default_factory``) is the schema default, as
-    for ``dataclasses.field``; it is ``reproduces`` unless the YAML sets it."""
-    metadata = {KEY_NEUTRAL: reproduces}
+    what it computed before the setting existed, and from the values in ``same_as``, which compute the same
+    bit for bit another way (a faster kernel of the same arithmetic). Runs already in a store keep their keys;
+    a job that uses the new setting gets a key of its own. ``default`` (or ``default_factory``) is the schema
+    default, as for ``dataclasses.field``; it is ``reproduces`` unless the YAML sets it."""
+    metadata = {KEY_NEUTRAL: (reproduces, *same_as)}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=reproduces if default is _REPRODUCES else default, metadata=metadata)
@@ -214,9 +216,10 @@ class VerlBackendConfig:
     verl_overrides: list[str] = field(default_factory=list)
     progress: bool = True
     seeded_requests: bool = added_setting(True)   # a vLLM seed per rollout request (backends/verl/seeded_agent.py)
-    # The log-prob pass verl's workers take (resources.LOGITS_BYTES): rowwise | flash_attn_ce. The job sets it on
-    # its workers, so the plan's activation term is the node's, not the submitting machine's.
-    logprob_path: str = added_setting("rowwise")
+    # The log-prob pass verl's workers take (backends/verl/logprobs.py; resources.LOGITS_BYTES): chunked |
+    # rowwise | flash_attn_ce. The job sets it on its workers, so the plan's activation term is the node's, not
+    # the submitting machine's. chunked computes rowwise's values bit for bit: both keep the keys of before.
+    logprob_path: str = added_setting("rowwise", same_as=("chunked",), default="chunked")
 
 
 @dataclass
@@ -245,11 +248,11 @@ GROUP_SCHEMAS = {"method": lambda name: MethodConfig,
                  "backend": lambda name: {"local": LocalBackendConfig, "verl": VerlBackendConfig}.get(name)}
 
 
-def key_neutral_settings(resolved: dict) -> dict[tuple[str, ...], Any]:
+def key_neutral_settings(resolved: dict) -> dict[tuple[str, ...], tuple]:
     """Every setting declared with ``added_setting`` that ``resolved`` (a resolved config) holds, by its path,
-    with the value that reproduces the behaviour from before it existed (``tracking.identity`` drops it
-    from the run key at that value)."""
-    found: dict[tuple[str, ...], Any] = {}
+    with the values that reproduce the behaviour from before it existed (``tracking.identity`` drops it
+    from the run key at those values)."""
+    found: dict[tuple[str, ...], tuple] = {}
 
     def walk(schema, node: dict, path: tuple[str, ...]) -> None:
         types = typing.get_type_hints(schema)
@@ -791,7 +794,7 @@ def node_packages(cfg: DictConfig) -> None:
                           "in the job's environment (docs/verl.md, Install)")
     if cfg.backend.logprob_path == "flash_attn_ce":
         raise ConfigError("backend.logprob_path=flash_attn_ce needs flash-attn where the job trains, and it is not "
-                          "installed here: use backend.logprob_path=rowwise (the default)")
+                          "installed here: use backend.logprob_path=chunked (the default)")
 
 
 def validate_environment(cfg: DictConfig) -> None:

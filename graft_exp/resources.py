@@ -60,14 +60,14 @@ GPU_RESERVE_GB = 3.0
 #: The caching allocator's reserve above the allocated peak of a training step, per GB of the activation term
 #: (measured on an H200: docs/verl.md's table).
 ALLOCATOR_HEADROOM = 0.92
-#: Bytes per (token, vocabulary entry) of each path verl 0.9.1's log-prob pass may take
-#: (``verl.utils.torch_functional.logprobs_from_logits``), chosen by ``backend.logprob_path``, which the job sets on
-#: its workers (``VERL_DISABLE_FLASH_ATTN_CE``). ``rowwise`` (``logprobs_from_logits_v2``): the bf16 logits kept for
-#: the backward pass and their bf16 gradient; measured at 16,384 tokens, 10.2 GiB of activations for Qwen3-1.7B
-#: against this term's 11.0 (a full fp32 log-softmax took 19-29 GiB). ``flash_attn_ce`` (flash-attn's Triton
-#: cross-entropy, ``inplace_backward=True``): the bf16 logits, whose buffer the backward pass writes the gradient
-#: into; derived from the kernel, not measured.
-LOGITS_BYTES = {"rowwise": 4, "flash_attn_ce": 2}
+#: Bytes per (token, vocabulary entry) of each path verl 0.9.1's log-prob pass may take, chosen by
+#: ``backend.logprob_path`` (``backends/verl/logprobs.py``), which the job sets on its workers. ``rowwise``
+#: (``logprobs_from_logits_v2``): the bf16 log-softmax kept for the backward pass and its bf16 gradient; measured at
+#: 16,384 tokens, 10.2 GiB of activations for Qwen3-1.7B against this term's 11.0 (a full fp32 log-softmax took
+#: 19-29 GiB). ``chunked``: the same tensors, computed in blocks of rows (benchmarks/logprob_path.py measures its
+#: peak beside rowwise's). ``flash_attn_ce`` (flash-attn's Triton cross-entropy, ``inplace_backward=True``): the
+#: bf16 logits, whose buffer the backward pass writes the gradient into; derived from the kernel, not measured.
+LOGITS_BYTES = {"chunked": 4, "rowwise": 4, "flash_attn_ce": 2}
 #: Host memory per GPU for its processes (FSDP worker, vLLM engine core: Python, torch, CUDA runtime).
 HOST_PER_GPU_GB = 5.0
 #: Host memory per agent-loop worker (tokenizer, reward process) and for the driver process.
@@ -175,7 +175,7 @@ def fsdp_bytes_per_param(backend: DictConfig) -> dict[str, int]:
     return {"params": 4 * on_gpu, "grads": 4 * on_gpu, "optimizer": 8 * (not backend.optimizer_offload)}
 
 
-def activations_bytes(size: ModelSize, tokens: int, path: str = "rowwise") -> int:
+def activations_bytes(size: ModelSize, tokens: int, path: str = "chunked") -> int:
     """Training activations of one micro-batch of ``tokens`` (``max_token_len_per_gpu``), an estimate: the
     log-prob pass's logits (``LOGITS_BYTES[path]`` per token and vocabulary entry) and, with gradient
     checkpointing, one bf16 hidden state per layer. A layer's own recomputed activations are left out (small
@@ -255,9 +255,9 @@ def job_plan(cfg: DictConfig, trained: Sequence[str] | None = None) -> Plan:
                   "best": Checkpoint(list(BEST_CONTENTS), checkpoint_gb(params, BEST_CONTENTS))}
     slurm = {"nodes": nnodes, "gpus_per_node": gpus, "cpus_per_task": cpus, "mem_gb": round_up(host, 8)}
     notes = []
-    if backend.logprob_path != "rowwise":
+    if backend.logprob_path == "flash_attn_ce":
         notes.append("activations follow flash-attn's in-place cross-entropy (backend.logprob_path=flash_attn_ce): "
-                     "half the row-wise logits term, derived, not measured (rowwise, the default, is measured)")
+                     "half the row-wise logits term, derived, not measured (chunked, the default, and rowwise are measured)")
     if nnodes > 1:
         notes.append(f"{nnodes} nodes: every pool spans every node; checkpoint_root ({cfg.checkpoint_root}) and "
                      f"backend.model_dir ({backend.model_dir}) must be one shared filesystem that every node "

@@ -111,9 +111,12 @@ def test_each_phase_counts_what_verl_holds_then(compose_cfg):
 
 def test_the_activation_term_follows_the_log_prob_path_the_job_sets(compose_cfg, monkeypatch):
     """The plan counts the log-prob path ``backend.logprob_path`` names, and the job sets that path on its Ray
-    workers (verl reads ``VERL_DISABLE_FLASH_ATTN_CE`` per call), whatever the submitting machine has installed:
-    row-wise (logits and their gradient: 4 bytes per entry, measured) by default, flash-attn's in-place
-    cross-entropy (the gradient written into the bf16 logits: 2) where chosen, refused where flash-attn is absent."""
+    workers (the worker installs ``GRAFT_LOGPROB_PATH``; verl reads ``VERL_DISABLE_FLASH_ATTN_CE`` per call),
+    whatever the submitting machine has installed: chunked by default and row-wise (the log-softmax and its
+    gradient: 4 bytes per entry, measured), flash-attn's in-place cross-entropy (the gradient written into the bf16
+    logits: 2) where chosen, refused where flash-attn is absent. chunked computes row-wise's values bit for bit
+    (tests/test_verl_logprobs.py): both keep the run keys of before the setting; flash-attn's has its own."""
+    from graft_exp.tracking.identity import run_key
     import importlib.util
 
     from graft_exp.backends.verl.config import ray_init_kwargs
@@ -122,18 +125,23 @@ def test_the_activation_term_follows_the_log_prob_path_the_job_sets(compose_cfg,
     shape = ("pair=pair1", "cluster=slurm", "backend.gpus_per_model=1", "backend.rollout_tp=1")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))
-    _, plan = _plan(compose_cfg, *shape)   # flash-attn installed here: the default path stays row-wise
+    _, plan = _plan(compose_cfg, *shape)   # flash-attn installed here: the default path stays chunked
     assert plan.gpu_mem_gb["B"].activations == round((16384 * 151936 * 4 + 16384 * 2048 * 2 * 28) / resources.GB, 1)
     assert not any("cross-entropy" in note for note in plan.notes)
     _, plan = _plan(compose_cfg, *shape, "backend.logprob_path=flash_attn_ce")
     assert plan.gpu_mem_gb["B"].activations == round((16384 * 151936 * 2 + 16384 * 2048 * 2 * 28) / resources.GB, 1)
     assert any("flash-attn's in-place cross-entropy" in note for note in plan.notes)
+    paths = ("chunked", "rowwise", "flash_attn_ce")
     env = {path: ray_init_kwargs(OmegaConf.create({}), "t", logprob_path=path)["runtime_env"]["env_vars"]
-           for path in ("rowwise", "flash_attn_ce")}
-    assert env["rowwise"]["VERL_DISABLE_FLASH_ATTN_CE"] == "1" and env["flash_attn_ce"]["VERL_DISABLE_FLASH_ATTN_CE"] == "0"
+           for path in paths}
+    assert [env[p]["VERL_DISABLE_FLASH_ATTN_CE"] for p in paths] == ["1", "1", "0"]
+    assert [env[p]["GRAFT_LOGPROB_PATH"] for p in paths] == list(paths)
+    verl = ("backend=verl", *shape)
+    keys = {path: run_key(compose_cfg(*verl, f"backend.logprob_path={path}")) for path in paths}
+    assert keys["chunked"] == keys["rowwise"] == run_key(compose_cfg(*verl)) != keys["flash_attn_ce"]
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)   # no flash-attn where the job trains (CPU)
     cfg = compose_cfg("pair=tiny_paper_vocab", "backend=verl", "backend.logprob_path=flash_attn_ce")
-    with pytest.raises(ConfigError, match="backend.logprob_path=rowwise"):
+    with pytest.raises(ConfigError, match="backend.logprob_path=chunked"):
         node_packages(cfg)
 
 

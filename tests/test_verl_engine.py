@@ -131,6 +131,8 @@ def test_engine_workers_score_train_save_and_load(engines, role):
     models, root = engines
     model = models[role]
     assert model.dp_size == 2
+    # every worker's engine takes the log-prob pass the job planned (backend.logprob_path's default)
+    assert model.wg.logprob_function() == ["chunked_logprobs"] * 2
     n = int(model.config.actor_rollout_ref.rollout.n)
     responses = [[f"{'The answer is ' * (i % 3)}\\boxed{{{q + i}}}" for i in range(n)] for q in range(len(PROMPTS))]
     batch = rollouts(model.tokenizer, PROMPTS, responses)[torch.arange(len(PROMPTS) * n - 1)]   # odd: dp padding

@@ -80,7 +80,7 @@ def identity(cfg: DictConfig | dict, models: list[str] | None = None) -> dict:
         node = ident
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and name in node and node[name] == neutral:
+        if isinstance(node, dict) and name in node and node[name] in neutral:
             del node[name]
     members = models if models is not None else [resolved["pair"][r] for r in MEMBER_KEYS if resolved["pair"].get(r)]
     catalog = resolved.get("models") or {}

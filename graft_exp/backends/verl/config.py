@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from graft_exp.config import minibatch_prompts, verl_overrides
 from graft_exp.methods import resolve
 from graft_exp.prompts import prompt_format
-from graft_exp.resources import LATEST_CONTENTS
+from graft_exp.backends.verl.logprobs import LOGPROB_PATH_ENV
+from graft_exp.resources import LATEST_CONTENTS, RAY_CPUS_PER_GPU
 
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
 
@@ -103,13 +104,14 @@ def job_token() -> str:
     return f"{os.environ.get('SLURM_JOB_ID', 'local')}-{uuid.uuid4().hex[:8]}"
 
 
-def ray_init_kwargs(config: DictConfig, token: str | None = None, logprob_path: str = "rowwise") -> dict:
+def ray_init_kwargs(config: DictConfig, token: str | None = None, logprob_path: str = "chunked") -> dict:
     """``ray.init`` arguments for a job: verl's PPO runtime environment (``get_ppo_ray_runtime_env``:
     ``VLLM_DISABLE_COMPILE_CACHE``, NCCL / vLLM log levels, ... as ``verl.trainer.main_ppo`` passes them)
     plus this job's token for its socket names (``runtime.scoped_zmq_handle``), and, for the private Ray
     a one-node job starts, a temp dir of its own (Ray's sessions and sockets; a cluster joined by
-    address keeps the one ``ray start`` was given), and the log-prob path of ``backend.logprob_path`` on every
-    worker (``VERL_DISABLE_FLASH_ATTN_CE``, which verl reads per call).
+    address keeps the one ``ray start`` was given), the log-prob path of ``backend.logprob_path`` on every
+    worker (``logprobs.LOGPROB_PATH_ENV``, which the worker installs, and ``VERL_DISABLE_FLASH_ATTN_CE``, which
+    verl reads per call) and the OpenMP threads of each Ray process.
 
     ``config`` is the verl config of one of the job's models (``verl_config``)."""
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
@@ -119,6 +121,11 @@ def ray_init_kwargs(config: DictConfig, token: str | None = None, logprob_path: 
     runtime_env.setdefault("env_vars", {})[JOB_TOKEN_ENV] = token
     # The log-prob path the plan counted (backend.logprob_path), whatever the node's shell says.
     runtime_env["env_vars"]["VERL_DISABLE_FLASH_ATTN_CE"] = "0" if logprob_path == "flash_attn_ce" else "1"
+    runtime_env["env_vars"][LOGPROB_PATH_ENV] = logprob_path
+    # Ray gives a process as many OpenMP threads as CPUs it reserved only where OMP_NUM_THREADS is unset; a Slurm
+    # job's is its whole allocation (cluster=slurm), which ~40 Ray processes (FSDP workers, vLLM servers and
+    # engines, agent-loop workers) would each inherit. Each gets the CPUs the plan reserves per GPU.
+    runtime_env["env_vars"]["OMP_NUM_THREADS"] = str(RAY_CPUS_PER_GPU)
     # Ray's Unix socket paths must stay under ~107 bytes: a short directory in the node's /tmp (not the job's
     # temporary folder, which is longer), removed by the backend when the job ends (``VerlBackend.close``).
     return {"runtime_env": runtime_env, "_temp_dir": f"/tmp/graft-ray-{token}"}

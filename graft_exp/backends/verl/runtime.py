@@ -70,6 +70,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 from graft_exp.backends.verl import batch as vb
+from graft_exp.backends.verl import logprobs
 from graft_exp.backends.verl.config import JOB_TOKEN_ENV
 from graft_exp.backends.verl.loss import actor_loss
 from graft_exp.costs import phase
@@ -110,8 +111,20 @@ def checkpoint_contents(manager, contents: Sequence[str]):
 
 
 class GraftActorWorker(ActorRolloutRefWorker):
-    """verl's actor-rollout(-ref) worker, plus the replica-rank shift of a second pool's rollout, the
-    job-scoped weight-transfer socket and checkpoints of chosen contents."""
+    """verl's actor-rollout(-ref) worker, plus the log-prob pass the job planned (``logprobs.install``), the
+    replica-rank shift of a second pool's rollout, the job-scoped weight-transfer socket and checkpoints of
+    chosen contents."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        logprobs.install()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def logprob_function(self) -> str:
+        """The name of the log-prob function verl's engine calls in this worker (the tier checks it)."""
+        from verl.workers.engine.fsdp import transformer_impl
+
+        return transformer_impl.logprobs_from_logits.__name__
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def isolate_rollout(self, offset: int) -> None:
