@@ -676,7 +676,7 @@ def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFacto
     RUNNING, and the requeued job resumes them; so does
     ``stop_at_step`` (see ``Driver.fit``), and a spool that cannot be written (``tracking.SpoolError``). Records the
     store did not take (its outage outlasted MLflow's retries) are in the job's spool: a finished job waits up to
-    ``tracking.outage_wait_s`` to send them, then leaves them for ``python -m graft_exp.tracking.spool send``.
+    ``tracking.outage_wait_s`` to send them, then leaves them for ``python -m graft_exp.tracking send``.
     Returns each model's mean final test scores."""
     driver = None
     try:

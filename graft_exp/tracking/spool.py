@@ -2,7 +2,7 @@
 client has retried), kept in order in the job's directory and sent in that order, each record once, when the store
 answers again (docs/tracking.md, "Tracking outages").
 
-    python -m graft_exp.tracking.spool send DIR [--tracking-uri URI] [--wait SECONDS]   # DIR: the job's directory
+    python -m graft_exp.tracking send DIR [--tracking-uri URI] [--wait SECONDS]   # DIR: the job's directory
 
 ``DIR/tracking-spool/`` holds ``outage.json`` (the store, when it stopped answering, the job's runs),
 ``records.jsonl`` (one record a line: metrics with their steps and timestamps, params, tags, an artifact, a run's
@@ -13,13 +13,11 @@ write of a ``TrackedRun`` is such a record, sent straight away while the store a
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -66,6 +64,13 @@ def outage(err: BaseException) -> bool:
     return isinstance(err, requests.RequestException)
 
 
+def first_line(err: BaseException | str, limit: int = 200) -> str:
+    """An error's first line, cut to ``limit`` characters (MLflow's connection errors run to a screenful)."""
+    text = str(err).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -100,7 +105,7 @@ def send(client: MlflowClient, run_id: str, record: dict, base: Path | None = No
 
 def command(job_dir: Path) -> str:
     """The command that sends a job's spool later."""
-    return f"python -m graft_exp.tracking.spool send {job_dir}"
+    return f"python -m graft_exp.tracking send {job_dir}"
 
 
 def _fsync_tree(path: Path) -> None:
@@ -234,9 +239,8 @@ class Spool:
             self._write_outage()
         except OSError as err2:
             raise self._cannot(err2) from None
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         log.warning("the tracking store %s does not answer after MLflow's retries (%s): training goes on, its "
-                    "records kept in %s and sent when the store answers", self.uri, first, self.dir)
+                    "records kept in %s and sent when the store answers", self.uri, first_line(err), self.dir)
 
     def append(self, run_id: str, record: dict) -> None:
         """One record at the spool's end, on the disk before the job goes on; an artifact's files copied beside it."""
@@ -426,38 +430,7 @@ def send_left(job_dir: Path, uri: str | None = None, wait_s: float = 0.0) -> int
             return spool.replay()
         except StoreDown as err:
             if time.monotonic() >= deadline:
-                raise StoreDown(f"the tracking store {spool.uri} does not answer ({str(err).splitlines()[0][:200]}): "
+                raise StoreDown(f"the tracking store {spool.uri} does not answer ({first_line(err)}): "
                                 f"nothing sent, the spool {spool.dir} is kept; send it later with: "
                                 f"{command(spool.job_dir)}") from None
             time.sleep(min(5.0, max(deadline - time.monotonic(), 0.0)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graft_exp.tracking.spool",
-                                     description="Send the tracking records a job kept while its store did not answer.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    sending = commands.add_parser("send", help="send a job's spool, in order, each record once")
-    sending.add_argument("job_dir", type=Path, help="the job's directory (<checkpoint_root>/<run key>)")
-    sending.add_argument("--tracking-uri", help="the store to send to (default: the one the job logged to)")
-    sending.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the store to answer")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.job_dir.is_dir():
-        print(f"{args.job_dir} is not a directory: name the job's directory (<checkpoint_root>/<run key>)",
-              file=sys.stderr)
-        return 2
-    try:
-        sent = send_left(args.job_dir, args.tracking_uri, args.wait)
-    except StoreDown as err:
-        print(err, file=sys.stderr)
-        return 1
-    except TrackingError as err:
-        print(err, file=sys.stderr)
-        return 2
-    print(f"sent {sent} tracking records from {args.job_dir / SPOOL_DIR}" if sent else
-          f"no tracking spool in {args.job_dir}: nothing to send")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
