@@ -123,9 +123,12 @@ def main() -> None:
                 lost += len({step for step, _ in history} - set(steps))
         equal = all({k: v for k, v in got[label].items() if k not in schema.WALL_CLOCK} ==
                     {k: v for k, v in expected[label].items() if k not in schema.WALL_CLOCK} for label in expected)
-        lines = [line.split(" - ", 1)[-1] for line in log.read_text().splitlines()
+        text = log.read_text()
+        lines = [line.split(" - ", 1)[-1] for line in text.splitlines()
                  if "[graft_exp.tracking]" in line]
-        print(f"server down {down_s:.0f} s ({'after' if ended_while_down else 'before'} the job's end)")
+        when = ("after the job had ended: its spool left for the command" if ended_while_down else
+                "while the job waited at its end" if "waiting up to" in text else "while the job trained")
+        print(f"server down {down_s:.0f} s; back {when}")
         print(f"job exit status {code}; runs: {', '.join(f'{k} {v}' for k, v in status.items())}")
         print(f"metric values (key, step) present {present}, duplicated {duplicated}, lost {lost}; every "
               f"non-wall-clock metric equal to the uninterrupted job's bit for bit: {equal}")
