@@ -70,6 +70,9 @@ def main(cfg: DictConfig) -> None:
         log.error("invalid configuration: %s", err)
         raise SystemExit(2) from err
     try:
+        # What an earlier start of this job kept while its store did not answer goes first (a fresh run would
+        # empty the directory that holds it); then the run is opened as the store now holds it.
+        tracking.send_left(driver.run_directory(cfg), cfg.tracking.uri)
         job = tracking.open_job(cfg)
     except tracking.AlreadyRunning as err:
         log.warning("skip: %s", err)
@@ -90,7 +93,13 @@ def main(cfg: DictConfig) -> None:
     # through SystemExit (submitit checkpoints, requeues and exits): the runs stay RUNNING, and the requeued
     # job resumes them by their run_key.
     with job_temporary_folder():
-        driver.fit(cfg, job, backend_factory(cfg.backend.name))
+        try:
+            driver.fit(cfg, job, backend_factory(cfg.backend.name))
+        except tracking.SpoolError as err:
+            log.error("%s", err)
+            raise SystemExit(1) from None
+    if job.spool.pending:   # the store has not answered: nothing to read a summary from (the spool's line said so)
+        return
     if HydraConfig.get().mode == RunMode.RUN:   # a multirun prints one table of its jobs, and the link, at its end
         summary.print_job(cfg.tracking.uri, job.run_id, f"{cfg.pair.name} / {cfg.method.name} / seed {cfg.seed}")
         log.info(tracking.compare_hint(cfg.tracking.uri, job.client.get_run(job.run_id).info.experiment_id))

@@ -361,6 +361,17 @@ def validate_finite(cfg: DictConfig) -> None:
         walk(OmegaConf.to_container(cfg[group], resolve=True), group)
 
 
+def validate_tracking(tracking: DictConfig) -> None:
+    """The outage settings (docs/tracking.md, "Tracking outages") are seconds: the probe's interval > 0, the wait at
+    the job's end >= 0."""
+    for key, least, bound in (("outage_probe_s", "> 0", lambda v: v > 0), ("outage_wait_s", ">= 0", lambda v: v >= 0)):
+        value = tracking.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not bound(value):
+            raise ConfigError(f"tracking.{key}={value} must be a finite number of seconds {least} "
+                              f"(conf/tracking/{tracking._name}.yaml sets it)")
+
+
 def validate_lengths(cfg: DictConfig) -> None:
     """A prompt and its response fit in every member model: ``train.max_prompt_length +
     train.max_response_length`` positions at most (``max_positions`` of conf/catalog/models.yaml). Beyond
@@ -618,6 +629,7 @@ def validate(cfg: DictConfig) -> None:
                           "export MLFLOW_TRACKING_URI=http://host:5000 (or use tracking=sqlite)") from err
     if not uri:
         raise ConfigError("tracking.uri is empty; set MLFLOW_TRACKING_URI or tracking.uri")
+    validate_tracking(cfg.tracking)
     pair, models = cfg.pair, cfg.models
     members = roles(pair)
     if members != list(MEMBER_KEYS[:len(members)]):

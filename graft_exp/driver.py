@@ -163,10 +163,15 @@ class Driver:
 
     def own_directory(self) -> Path:
         """The job's run directory: emptied for a fresh run, which never inherits another run's state
-        (checkpoints, best weights, logs); the date its chat templates render, fixed there on the first start."""
+        (checkpoints, best weights, logs); its tracking spool, where the job's runs keep what the store does not
+        take while it does not answer; the date its chat templates render, fixed there on the first start."""
         root = run_directory(self.cfg)
         if not self.job.resumed:
             shutil.rmtree(root, ignore_errors=True)
+        track = self.cfg.tracking
+        self.spool = tracking.Spool(root / tracking.SPOOL_DIR, str(track.uri), self.job.client,
+                                    float(track.outage_probe_s))
+        self.job.keep_in(self.spool)
         # Chat templates that write today's date render this one in every process, however long the job runs.
         self.job.set_tags({schema.PROMPT_DATE: prompts.job_prompt_date(root).isoformat()})
         return root
@@ -179,6 +184,9 @@ class Driver:
         # The verification workers a step's batch needs start while the models load.
         reward.default_pool().start(int(self.cfg.train.batch_prompts) * int(self.method.config.n))
         runs = {role: tracking.open_model_run(self.cfg, self.job, role) for role in members}
+        for run in runs.values():
+            if run is not None:
+                run.keep_in(self.spool)
         needed = trained(self.cfg.pair, bool(self.method.co_train), {r for r in members if runs[r] is not None})
         return {role: Member(role, str(self.cfg.pair[role]), runs[role], replayed=replayed.get(role))
                 for role in needed}
@@ -597,10 +605,9 @@ class Driver:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir()
             member.run.log_artifact(write_prompt_success(read_log(traj), staged / "prompt_success.parquet"))
-            member.run.client.log_artifacts(member.run.run_id, str(traj), "trajectories")
+            member.run.log_artifacts(traj, "trajectories")
             if (self.root / "transfers" / member.role).is_dir():
-                member.run.client.log_artifacts(member.run.run_id, str(self.root / "transfers" / member.role),
-                                                "transfers")
+                member.run.log_artifacts(self.root / "transfers" / member.role, "transfers")
             member.run.finish("FINISHED")
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
@@ -667,7 +674,10 @@ def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFacto
     FINISHED, or FAILED / KILLED on a failure / Ctrl-C. A preemption (SystemExit from submitit's signal
     handler, or its requeue command stopped by the requeue: ``scheduler.requeue_under_way``) leaves the runs
     RUNNING, and the requeued job resumes them; so does
-    ``stop_at_step`` (see ``Driver.fit``). Returns each model's mean final test scores."""
+    ``stop_at_step`` (see ``Driver.fit``), and a spool that cannot be written (``tracking.SpoolError``). Records the
+    store did not take (its outage outlasted MLflow's retries) are in the job's spool: a finished job waits up to
+    ``tracking.outage_wait_s`` to send them, then leaves them for ``python -m graft_exp.tracking send``.
+    Returns each model's mean final test scores."""
     driver = None
     try:
         driver = Driver(cfg, job, backend_factory)
@@ -677,17 +687,22 @@ def fit(cfg: DictConfig, job: tracking.TrackedRun, backend_factory: BackendFacto
             log.warning("preempted: Slurm requeued the job while submitit's `scontrol requeue` ran (%s); the runs "
                         "stay RUNNING for the requeued job", err)
             raise SystemExit(-1) from err
+        if isinstance(err, tracking.SpoolError):   # nothing more can be recorded: the runs stay as a preemption
+            raise                                  # leaves them, for the relaunch to resume
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         for member in driver.members.values() if driver is not None else []:
-            if member.run is not None and member.run.status == "RUNNING":
+            if member.run is not None and member.run.ended is None:
                 member.run.finish(status)
         if status == "FAILED":
             log.exception("job failed: MLflow run %s marked FAILED (a re-launch resumes it)", job.run_id)
         job.finish(status)
+        if job.spool is not None:   # a failed job waits for no store: what it kept is sent by its relaunch
+            job.spool.settle(0)
         raise
     finally:   # also on a preemption: the next job of this process starts from free devices
         if driver is not None and driver.backend is not None:
             driver.backend.close()
     if stop_at_step is None:
         job.finish("FINISHED")
+        job.spool.settle(float(cfg.tracking.outage_wait_s))
     return scores

@@ -52,6 +52,9 @@ JOB_TAGS = {
     "graft.preflight_step_device_s": "on a preflight's job run, after its checks: device-seconds of one full-size step "
                                      "of the job it stands for (step 2 scaled to its prompts; what the plan projects from)",
     "graft.preflight_step_s": "on a preflight's job run, after its checks: wall seconds of one full-size step",
+    "graft.tracking_gap": "after a tracking outage, when the store answers again: '<since> to <back>: N records "
+                          "kept in the job's spool, being sent', then '..., sent in order at <time>'; outages joined "
+                          "by '; '",
     "graft.signal_lead_s": "at the job's start, under a launcher that warns before the time limit: the seconds between "
                            "the warning (USR2) and the limit (hydra.launcher.signal_delay_s)",
     **ENV_TAGS,
@@ -72,6 +75,7 @@ MODEL_TAGS = {
     "graft.rendered_prompt": "at the job's start: the first training problem as the model receives it (5000 chars at most)",
     "graft.prompt_format": "at creation, for a model with a catalog prompt format: <name>@<16 hex of its template's "
                            "SHA-256> (the digest its run key holds)",
+    "graft.tracking_gap": "as the job run's",
     "graft.revision": "at creation, for a hub model whose catalog pins a snapshot revision: that revision",
 }
 #: Metrics of a job run, step = training step.
@@ -151,6 +155,7 @@ STOP_IDS, RENDERED_PROMPT = "graft.stop_ids", "graft.rendered_prompt"
 PROMPT_FORMAT, REVISION, PREFLIGHT = "graft.prompt_format", "graft.revision", "graft.preflight"
 PREFLIGHT_STEP_DEVICE_S, PREFLIGHT_STEP_S = "graft.preflight_step_device_s", "graft.preflight_step_s"
 SIGNAL_LEAD, CHECKPOINT_SECONDS = "graft.signal_lead_s", "time/checkpoint_s"
+TRACKING_GAP = "graft.tracking_gap"
 STEP_SECONDS, RECORD_SECONDS, WAIT_SECONDS = "time/step_s", "time/record_s", "time/wait_s"
 VALIDATE_SECONDS, TEST_SECONDS, MFU = "time/validate_s", "time/test_s", "perf/mfu"
 

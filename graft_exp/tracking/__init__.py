@@ -2,7 +2,8 @@
 
 Modules by job: ``identity`` (run keys, params, code version), ``store`` (checks before launch, store
 creation, UI links), ``runs`` (opening, resuming, tags, exactly-once logging, stored logs), ``datasets``
-(dataset inputs). The names callers use are re-exported here (``tracking.open_job``, ...).
+(dataset inputs), ``spool`` (what a job's runs log while the store does not answer, kept in the job's
+directory and sent when it answers again). The names callers use are re-exported here (``tracking.open_job``, ...).
 
 A job's identity is ``graft.run_key``, a hash of its resolved config without launcher, tracking
 and path settings. Opening a job finds the run with that key: FINISHED -> skipped, unfinished ->
@@ -52,6 +53,7 @@ from graft_exp.tracking.runs import (
     stored_log_peers,
     stored_log_run,
 )
+from graft_exp.tracking.spool import SPOOL_DIR, OtherStore, Spool, SpoolError, StoreDown, send_left
 from graft_exp.tracking.store import (
     EXPERIMENT_TAGS,
     TrackingError,
@@ -70,10 +72,15 @@ __all__ = [
     "DESCRIPTION_TAG",
     "EXPERIMENT_TAGS",
     "PARENT_TAG",
+    "SPOOL_DIR",
     "AlreadyRunning",
     "Budget",
     "BudgetMissing",
     "KeyedByAnotherVersion",
+    "OtherStore",
+    "Spool",
+    "SpoolError",
+    "StoreDown",
     "StoredLogMissing",
     "TrackedRun",
     "TrackingError",
@@ -106,6 +113,7 @@ __all__ = [
     "resolved_config",
     "run_key",
     "run_params",
+    "send_left",
     "source_tags",
     "sqlite_file",
     "stored_log_peers",

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,15 +17,10 @@ from graft_exp import environment, methods, prompts, scheduler, schema
 from graft_exp.config import BUDGET_SETTINGS, budget_setting, peers, roles
 from graft_exp.tracking.datasets import log_dataset_inputs
 from graft_exp.tracking.identity import flatten, git_sha, model_run_key, run_key, source_tags, stable_hash
+from graft_exp.tracking.spool import Spool, now_ms, send
 from graft_exp.tracking.store import TrackingError, ensure_store, experiment_name
 
 PARENT_TAG = "mlflow.parentRunId"
-
-
-MAX_BATCH = 1000   # MLflow's log_batch limit on metrics per call
-
-
-MAX_PARAMS = 100   # ... and on params per call
 
 
 DESCRIPTION_TAG = "mlflow.note.content"
@@ -34,18 +28,40 @@ DESCRIPTION_TAG = "mlflow.note.content"
 
 @dataclass
 class TrackedRun:
-    """One MLflow run (job or model) with batched, exactly-once metric logging."""
+    """One MLflow run (job or model) with batched, exactly-once metric logging. Every write is a record of
+    ``tracking.spool`` (``spool.send``); once the job's spool is attached (``keep_in``), what the store does not take
+    while it does not answer is kept there and sent when it answers again."""
 
     client: MlflowClient
     run_id: str
     resumed: bool = False
     budget: Budget | None = None   # a job's equal-compute budget, resolved once by ``open_job`` (None: steps alone)
+    spool: Spool | None = None     # the job's spool (None: every write goes straight to the store)
+    ended: str | None = None       # the status this process closed the run with (None: still open)
     _logged: dict[str, set[int]] = field(default_factory=dict)
 
-    def logged_steps(self, key: str) -> set[int]:
-        """Steps at which ``key`` is already recorded (read once per key on resumed runs)."""
+    def keep_in(self, spool: Spool) -> None:
+        self.spool = spool
+        spool.attach(self.run_id)
+
+    def _write(self, record: dict) -> None:
+        if self.spool is None:
+            send(self.client, self.run_id, record)
+        else:
+            self.spool.write(self.run_id, record)
+
+    def _read(self, read):
+        """``read()``, or None while the job's store does not answer."""
+        return read() if self.spool is None else self.spool.read(read)
+
+    def logged_steps(self, key: str) -> set[int] | None:
+        """Steps at which ``key`` is already recorded (read once per key on resumed runs); None while the store
+        does not answer and this run's steps of ``key`` are not known yet (the replay then leaves out the steps
+        the run holds)."""
         if key not in self._logged:
-            history = self.client.get_metric_history(self.run_id, key) if self.resumed else []
+            history = self._read(lambda: self.client.get_metric_history(self.run_id, key)) if self.resumed else []
+            if history is None:
+                return None
             self._logged[key] = {m.step for m in history}
         return self._logged[key]
 
@@ -57,27 +73,32 @@ class TrackedRun:
         batch = []
         for key, value in metrics.items():
             steps = self.logged_steps(key)
-            if step in steps:
-                continue
-            steps.add(step)
-            batch.append(Metric(key, float(value), now, step))
-        for i in range(0, len(batch), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + MAX_BATCH])
+            if steps is not None:
+                if step in steps:
+                    continue
+                steps.add(step)
+            batch.append([key, float(value), now, step])
+        if batch:
+            self._write({"op": "metrics", "metrics": batch})
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._write({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
 
     def log_params(self, params: dict[str, str]) -> None:
-        existing = self.client.get_run(self.run_id).data.params if self.resumed else {}
-        todo = [Param(k, v[:6000]) for k, v in params.items() if k not in existing]
-        for i in range(0, len(todo), MAX_PARAMS):
-            self.client.log_batch(self.run_id, params=todo[i:i + MAX_PARAMS])
+        existing = (self._read(lambda: self.client.get_run(self.run_id).data.params) if self.resumed else {}) or {}
+        todo = {k: v[:6000] for k, v in params.items() if k not in existing}
+        if todo:
+            self._write({"op": "params", "params": todo})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._write({"op": "artifact", "local": str(path), "path": artifact_path})
+
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None:
+        self._write({"op": "artifacts", "local": str(directory), "path": artifact_path})
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        self.ended = status
+        self._write({"op": "status", "status": status, "end_time": now_ms()})
 
     @property
     def status(self) -> str:
