@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from graft_exp.backends.verl.logprobs import chunked_logprobs  # noqa: E402
+from graft_exp.backends.verl.logprobs import chunked_logprobs
 
 #: The paper models' vocabularies (SmolLM3-3B and OctoThinker-3B share Llama-3's).
 VOCABULARIES = {"qwen3-1.7b-base": 151936, "smollm3-3b-base / octothinker-3b": 128256}

@@ -116,11 +116,11 @@ def test_the_activation_term_follows_the_log_prob_path_the_job_sets(compose_cfg,
     gradient: 4 bytes per entry, measured), flash-attn's in-place cross-entropy (the gradient written into the bf16
     logits: 2) where chosen, refused where flash-attn is absent. chunked computes row-wise's values bit for bit
     (tests/test_verl_logprobs.py): both keep the run keys of before the setting; flash-attn's has its own."""
-    from graft_exp.tracking.identity import run_key
     import importlib.util
 
     from graft_exp.backends.verl.config import ray_init_kwargs
     from graft_exp.config import ConfigError, node_packages
+    from graft_exp.tracking.identity import run_key
 
     shape = ("pair=pair1", "cluster=slurm", "backend.gpus_per_model=1", "backend.rollout_tp=1")
     find_spec = importlib.util.find_spec

@@ -19,10 +19,10 @@ from pathlib import Path
 import verl
 from omegaconf import DictConfig, OmegaConf
 
+from graft_exp.backends.verl.logprobs import LOGPROB_PATH_ENV
 from graft_exp.config import minibatch_prompts, verl_overrides
 from graft_exp.methods import resolve
 from graft_exp.prompts import prompt_format
-from graft_exp.backends.verl.logprobs import LOGPROB_PATH_ENV
 from graft_exp.resources import LATEST_CONTENTS, RAY_CPUS_PER_GPU
 
 GENERATED_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
